@@ -1,0 +1,284 @@
+// Neighbour pairs within a cutoff for batches of molecules, periodic or not.
+//
+// One algorithm covers every case. Positions are expressed in fractional
+// coordinates of the cell (the identity "cell" when there is none) and sorted
+// into bins; along each axis a bin is at least `cutoff` thick measured
+// perpendicular to the other two cell vectors, so the neighbours of an atom lie in
+// the bins within a search radius of its own. Along a periodic axis a bin index
+// outside [0, nb) is a periodic image: that is how cells smaller than the cutoff
+// get several images of one atom. With cell_list = false every axis has a single
+// bin (the all-pairs search), which is cheaper for small systems.
+//
+// Output: pairs (2, P) into the flattened M*A atoms with pairs[0] <= pairs[1], and
+// images (P, 3) such that x[i0] - x[i1] + images @ cell is the pair's difference
+// vector for the coordinates exactly as given (not wrapped), so gradients with
+// respect to both coordinates and cell are exact.
+#include <ATen/Parallel.h>
+
+#include <array>
+#include <cmath>
+#include <vector>
+
+#include "ops.h"
+
+namespace torchani_fast {
+namespace {
+
+struct Axis {
+  int64_t nb;        // number of bins
+  int64_t reach;     // search radius in bins
+  double lo, width;  // fractional start and bin width
+  bool periodic;
+};
+
+struct MoleculeBins {
+  std::array<Axis, 3> axis;
+  std::vector<int64_t> bin_start;  // (nbins + 1,)
+  std::vector<int64_t> bin_atoms;  // flattened atom indices sorted by bin
+};
+
+template <typename scalar_t>
+void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, int64_t A,
+                    const double* cell /* row-major 3x3 or nullptr */, const bool* pbc,
+                    double cutoff, bool cell_list, std::vector<int64_t>& out_pairs,
+                    std::vector<scalar_t>& out_images) {
+  // Cell and its inverse in double: x = f @ cell, f = x @ inv.
+  double C[9] = {1, 0, 0, 0, 1, 0, 0, 0, 1}, inv[9] = {1, 0, 0, 0, 1, 0, 0, 0, 1};
+  bool periodic[3] = {false, false, false};
+  if (cell) {
+    for (int i = 0; i < 9; ++i) C[i] = cell[i];
+    const double det = C[0] * (C[4] * C[8] - C[5] * C[7]) - C[1] * (C[3] * C[8] - C[5] * C[6]) +
+                       C[2] * (C[3] * C[7] - C[4] * C[6]);
+    inv[0] = (C[4] * C[8] - C[5] * C[7]) / det;
+    inv[1] = (C[2] * C[7] - C[1] * C[8]) / det;
+    inv[2] = (C[1] * C[5] - C[2] * C[4]) / det;
+    inv[3] = (C[5] * C[6] - C[3] * C[8]) / det;
+    inv[4] = (C[0] * C[8] - C[2] * C[6]) / det;
+    inv[5] = (C[2] * C[3] - C[0] * C[5]) / det;
+    inv[6] = (C[3] * C[7] - C[4] * C[6]) / det;
+    inv[7] = (C[1] * C[6] - C[0] * C[7]) / det;
+    inv[8] = (C[0] * C[4] - C[1] * C[3]) / det;
+    for (int a = 0; a < 3; ++a) periodic[a] = pbc[a];
+  }
+  // |delta f_a| <= cutoff * ||column a of inv|| for any pair closer than cutoff.
+  double span[3];
+  for (int a = 0; a < 3; ++a)
+    span[a] = cutoff * std::sqrt(inv[a] * inv[a] + inv[3 + a] * inv[3 + a] + inv[6 + a] * inv[6 + a]);
+
+  const int64_t N = M * A;
+  std::vector<double> frac(3 * N, 0.0);   // wrapped fractional coordinates
+  std::vector<double> wrapped(3 * N, 0.0);  // wrapped Cartesian coordinates
+  std::vector<int64_t> shift(3 * N, 0);  // integer translation removed by wrapping
+  std::vector<int64_t> bin_of(N, -1);
+  std::vector<MoleculeBins> mols(M);
+
+  at::parallel_for(0, M, 1, [&](int64_t mb, int64_t me) {
+    for (int64_t m = mb; m < me; ++m) {
+      MoleculeBins& mol = mols[m];
+      double lo[3] = {INFINITY, INFINITY, INFINITY}, hi[3] = {-INFINITY, -INFINITY, -INFINITY};
+      int64_t count = 0;
+      for (int64_t i = m * A; i < (m + 1) * A; ++i) {
+        if (species[i] < 0) continue;
+        ++count;
+        const scalar_t* x = coords + 3 * i;
+        TORCH_CHECK(std::isfinite(static_cast<double>(x[0])) && std::isfinite(static_cast<double>(x[1])) &&
+                        std::isfinite(static_cast<double>(x[2])),
+                    "torchani_fast::neighbor_pairs: coords must be finite, got (", x[0], ", ", x[1],
+                    ", ", x[2], ") for atom ", i - m * A, " of molecule ", m);
+        for (int a = 0; a < 3; ++a) {
+          double f = x[0] * inv[a] + x[1] * inv[3 + a] + x[2] * inv[6 + a];
+          if (periodic[a]) {
+            const double k = std::floor(f);
+            shift[3 * i + a] = static_cast<int64_t>(k);
+            f -= k;
+            if (f >= 1.0) f = 0.0;  // f = -1e-17 rounds up to 1
+          }
+          frac[3 * i + a] = f;
+          lo[a] = std::min(lo[a], f);
+          hi[a] = std::max(hi[a], f);
+        }
+        for (int c = 0; c < 3; ++c)
+          wrapped[3 * i + c] = frac[3 * i] * C[c] + frac[3 * i + 1] * C[3 + c] + frac[3 * i + 2] * C[6 + c];
+      }
+      if (count == 0) {
+        mol.bin_start.assign(2, 0);
+        for (auto& ax : mol.axis) ax = Axis{1, 0, 0.0, 1.0, false};
+        continue;
+      }
+      int64_t nbins = 1;
+      for (int a = 0; a < 3; ++a) {
+        Axis& ax = mol.axis[a];
+        ax.periodic = periodic[a];
+        const double extent = ax.periodic ? 1.0 : hi[a] - lo[a];
+        ax.lo = ax.periodic ? 0.0 : lo[a];
+        ax.nb = cell_list ? std::max<int64_t>(1, static_cast<int64_t>(std::floor(extent / span[a]))) : 1;
+        nbins *= ax.nb;
+      }
+      // Keep the grid no larger than a few bins per atom (sparse or elongated systems).
+      while (nbins > 4 * count + 27) {
+        int big = 0;
+        for (int a = 1; a < 3; ++a)
+          if (mol.axis[a].nb > mol.axis[big].nb) big = a;
+        nbins /= mol.axis[big].nb;
+        mol.axis[big].nb = (mol.axis[big].nb + 1) / 2;
+        nbins *= mol.axis[big].nb;
+      }
+      for (int a = 0; a < 3; ++a) {
+        Axis& ax = mol.axis[a];
+        const double extent = ax.periodic ? 1.0 : hi[a] - lo[a];
+        ax.width = extent > 0 ? extent / ax.nb : 1.0;
+        ax.reach = static_cast<int64_t>(std::floor(span[a] / ax.width)) + 1;
+        if (!ax.periodic) ax.reach = std::min(ax.reach, ax.nb - 1);
+      }
+      mol.bin_start.assign(nbins + 1, 0);
+      for (int64_t i = m * A; i < (m + 1) * A; ++i) {
+        if (species[i] < 0) continue;
+        int64_t b = 0;
+        for (int a = 0; a < 3; ++a) {
+          const Axis& ax = mol.axis[a];
+          int64_t k = static_cast<int64_t>(std::floor((frac[3 * i + a] - ax.lo) / ax.width));
+          k = std::min(std::max<int64_t>(k, 0), ax.nb - 1);
+          b = b * ax.nb + k;
+        }
+        bin_of[i] = b;
+        mol.bin_start[b + 1]++;
+      }
+      for (int64_t b = 0; b < nbins; ++b) mol.bin_start[b + 1] += mol.bin_start[b];
+      mol.bin_atoms.resize(count);
+      std::vector<int64_t> cursor(mol.bin_start.begin(), mol.bin_start.end() - 1);
+      for (int64_t i = m * A; i < (m + 1) * A; ++i)
+        if (species[i] >= 0) mol.bin_atoms[cursor[bin_of[i]]++] = i;
+    }
+  });
+
+  // Each atom collects its own pairs; concatenating in atom order keeps the output
+  // independent of the number of threads.
+  std::vector<std::vector<int64_t>> found(N);
+  const double cutoff_sq = cutoff * cutoff;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (species[i] < 0) continue;
+      const MoleculeBins& mol = mols[i / A];
+      int64_t own[3];
+      int64_t b = bin_of[i];
+      for (int a = 2; a >= 0; --a) {
+        own[a] = b % mol.axis[a].nb;
+        b /= mol.axis[a].nb;
+      }
+      auto& mine = found[i];
+      for (int64_t d0 = -mol.axis[0].reach; d0 <= mol.axis[0].reach; ++d0)
+        for (int64_t d1 = -mol.axis[1].reach; d1 <= mol.axis[1].reach; ++d1)
+          for (int64_t d2 = -mol.axis[2].reach; d2 <= mol.axis[2].reach; ++d2) {
+            const int64_t d[3] = {d0, d1, d2};
+            int64_t bin = 0, img[3];
+            bool valid = true;
+            for (int a = 0; a < 3 && valid; ++a) {
+              const Axis& ax = mol.axis[a];
+              const int64_t v = own[a] + d[a];
+              if (ax.periodic) {
+                const int64_t w = ((v % ax.nb) + ax.nb) % ax.nb;
+                img[a] = (v - w) / ax.nb;
+                bin = bin * ax.nb + w;
+              } else {
+                valid = v >= 0 && v < ax.nb;
+                img[a] = 0;
+                bin = bin * ax.nb + v;
+              }
+            }
+            if (!valid) continue;
+            const bool zero_img = img[0] == 0 && img[1] == 0 && img[2] == 0;
+            // Each unordered pair once: j > i, or j == i with a "positive" image.
+            const bool positive_img =
+                img[0] > 0 || (img[0] == 0 && (img[1] > 0 || (img[1] == 0 && img[2] > 0)));
+            double t[3];
+            for (int c = 0; c < 3; ++c)
+              t[c] = img[0] * C[c] + img[1] * C[3 + c] + img[2] * C[6 + c];
+            for (int64_t q = mol.bin_start[bin]; q < mol.bin_start[bin + 1]; ++q) {
+              const int64_t j = mol.bin_atoms[q];
+              if (j < i || (j == i && (zero_img || !positive_img))) continue;
+              double r2 = 0;
+              for (int c = 0; c < 3; ++c) {
+                const double v = wrapped[3 * i + c] - wrapped[3 * j + c] - t[c];
+                r2 += v * v;
+              }
+              if (r2 > cutoff_sq) continue;
+              mine.push_back(j);
+              // x'[i] - (x'[j] + img @ C) with x' = x - shift @ C gives
+              // x[i] - x[j] + (shift[j] - shift[i] - img) @ C.
+              for (int a = 0; a < 3; ++a)
+                mine.push_back(shift[3 * j + a] - shift[3 * i + a] - img[a]);
+            }
+          }
+    }
+  });
+  int64_t P = 0;
+  for (const auto& f : found) P += static_cast<int64_t>(f.size()) / 4;
+  out_pairs.resize(2 * P);
+  out_images.resize(3 * P);
+  int64_t p = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const auto& f = found[i];
+    for (size_t q = 0; q < f.size(); q += 4, ++p) {
+      out_pairs[p] = i;
+      out_pairs[P + p] = f[q];
+      for (int a = 0; a < 3; ++a) out_images[3 * p + a] = static_cast<scalar_t>(f[q + 1 + a]);
+    }
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
+    const at::Tensor& species, const at::Tensor& coords,
+    const c10::optional<at::Tensor>& cell, const c10::optional<at::Tensor>& pbc,
+    double cutoff, bool cell_list) {
+  const char* op = "torchani_fast::neighbor_pairs";
+  TORCH_CHECK(species.dim() == 2, op, ": species must have shape (molecules, atoms), got ",
+              species.sizes());
+  TORCH_CHECK(species.scalar_type() == at::kLong || species.scalar_type() == at::kInt, op,
+              ": species must be int64 or int32, got ", species.scalar_type());
+  TORCH_CHECK(coords.dim() == 3 && coords.size(2) == 3 && coords.size(0) == species.size(0) &&
+                  coords.size(1) == species.size(1),
+              op, ": coords must have shape ", species.sizes(), " + (3,) to match species, got ",
+              coords.sizes());
+  TORCH_CHECK(at::isFloatingType(coords.scalar_type()), op,
+              ": coords must be float32 or float64, got ", coords.scalar_type());
+  TORCH_CHECK(cutoff > 0 && std::isfinite(cutoff), op, ": cutoff must be positive, got ", cutoff);
+  TORCH_CHECK(cell.has_value() == pbc.has_value(), op,
+              ": cell and pbc must be given together (both or neither)");
+  at::Tensor cell_d;
+  bool pbc_h[3] = {false, false, false};
+  if (cell.has_value()) {
+    TORCH_CHECK(cell->dim() == 2 && cell->size(0) == 3 && cell->size(1) == 3, op,
+                ": cell must have shape (3, 3), got ", cell->sizes());
+    TORCH_CHECK(pbc->numel() == 3 && pbc->scalar_type() == at::kBool, op,
+                ": pbc must be a bool tensor of shape (3,), got ", pbc->sizes(), " ",
+                pbc->scalar_type());
+    cell_d = cell->detach().to(at::kDouble).contiguous();
+    auto pbc_c = pbc->contiguous();
+    for (int a = 0; a < 3; ++a) pbc_h[a] = pbc_c.data_ptr<bool>()[a];
+    const double det = at::linalg_det(cell_d).item<double>();
+    const double vol_scale = at::linalg_vector_norm(cell_d, 2, {1}).prod().item<double>();
+    TORCH_CHECK(std::isfinite(det) && std::abs(det) > 1e-8 * vol_scale, op,
+                ": cell is singular (determinant ", det, "), got cell ", cell_d);
+  }
+  auto sp = species.to(at::kLong).contiguous();
+  auto x = coords.detach().contiguous();
+  const int64_t M = species.size(0), A = species.size(1);
+  std::vector<int64_t> pairs_v;
+  at::Tensor pairs, images;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "neighbor_pairs_cpu", [&] {
+    std::vector<scalar_t> images_v;
+    neighbors_impl<scalar_t>(sp.data_ptr<int64_t>(), x.data_ptr<scalar_t>(), M, A,
+                             cell.has_value() ? cell_d.data_ptr<double>() : nullptr, pbc_h,
+                             cutoff, cell_list, pairs_v, images_v);
+    const int64_t P = static_cast<int64_t>(images_v.size()) / 3;
+    pairs = at::empty({2, P}, sp.options());
+    std::copy(pairs_v.begin(), pairs_v.end(), pairs.data_ptr<int64_t>());
+    images = at::empty({P, 3}, x.options());
+    std::copy(images_v.begin(), images_v.end(), images.data_ptr<scalar_t>());
+  });
+  return {pairs, images};
+}
+
+}  // namespace torchani_fast

@@ -1,0 +1,84 @@
+// Declarations of every torchani_fast kernel. Schemas live in registration.cpp.
+//
+// Data flow of one energy + forces evaluation (M molecules, A atoms each,
+// N = M*A flattened atoms, P neighbour pairs):
+//
+//   species (M,A), coords (M,A,3), cell (3,3)?, pbc (3,)?
+//        |
+//        |  neighbor_pairs  (no gradient: integer output)
+//        v
+//   pairs (2,P) int64 into the flattened atoms, images (P,3) integer lattice
+//   translations stored in the coordinate dtype
+//        |
+//        |  diff = coords[pairs[0]] - coords[pairs[1]] + images @ cell   (ATen,
+//        |  differentiable w.r.t. coords AND cell, which is what ASE stress needs)
+//        v
+//   diff_vectors (P,3)  --- aev_forward --->  aev (M,A,F)
+//
+// Backward (forces):   grad_aev (M,A,F) --- aev_backward ---> grad_diff (P,3)
+// and ATen's autograd carries grad_diff back to coords and cell.
+//
+// Double backward (Hessians, force training) differentiates aev_backward with
+// respect to grad_aev and diff_vectors; aev_backward is an op of its own so that
+// this can be registered without touching the first derivative.
+//
+// TorchANI conventions reproduced here (see torchani/aev/_terms.py):
+//   radial  term  0.25 * exp(-eta (r - Rs)^2) * fc(r)                   (the 0.25)
+//   angular term  2 * ((1 + cos(acos(0.95 cos t) - ts)) / 2)^zeta
+//                   * exp(-eta ((r1 + r2)/2 - Rs)^2) * fc(r1) fc(r2)    (the 0.95)
+//   fc(r) = 0.5 cos(pi r / Rc) + 0.5, pairs with r > Rc contribute nothing.
+//   Layout: radial block s*R + k for neighbour species s; angular block
+//   S*R + p*(A*Z) + a*Z + z for the upper-triangular species pair p.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+namespace torchani_fast {
+
+// Pairs of atoms closer than `cutoff`, each unordered pair (and each periodic
+// image) once. Padding atoms (species < 0) never appear. `cell_list` selects
+// binning (O(N)); otherwise every pair of atoms of a molecule is tested.
+std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
+    const at::Tensor& species, const at::Tensor& coords,
+    const c10::optional<at::Tensor>& cell, const c10::optional<at::Tensor>& pbc,
+    double cutoff, bool cell_list);
+
+// AEV constants in one struct: every tensor is 1-D on the device of the call.
+struct AEVParams {
+  at::Tensor radial_eta, radial_shifts, angular_eta, angular_zeta, angular_shifts,
+      angular_sections;
+  double radial_cutoff, angular_cutoff;
+  int64_t num_species;
+};
+
+at::Tensor aev_forward_cpu(const at::Tensor& species, const at::Tensor& pairs,
+                           const at::Tensor& diff_vectors, const AEVParams& p);
+at::Tensor aev_backward_cpu(const at::Tensor& grad_aev, const at::Tensor& species,
+                            const at::Tensor& pairs, const at::Tensor& diff_vectors,
+                            const AEVParams& p);
+
+// Autograd kernels (autograd.cpp): aev differentiates through aev_backward;
+// aev_backward refuses a further derivative until double backward exists.
+std::tuple<at::Tensor, at::Tensor> neighbor_pairs_autograd(
+    const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
+    const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list);
+at::Tensor aev_autograd(const at::Tensor& species, const at::Tensor& pairs,
+                        const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
+                        const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
+                        const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
+                        const at::Tensor& angular_sections, double radial_cutoff,
+                        double angular_cutoff, int64_t num_species);
+at::Tensor aev_backward_autograd(const at::Tensor& grad_aev, const at::Tensor& species,
+                                 const at::Tensor& pairs, const at::Tensor& diff_vectors,
+                                 const at::Tensor& radial_eta, const at::Tensor& radial_shifts,
+                                 const at::Tensor& angular_eta, const at::Tensor& angular_zeta,
+                                 const at::Tensor& angular_shifts,
+                                 const at::Tensor& angular_sections, double radial_cutoff,
+                                 double angular_cutoff, int64_t num_species);
+
+// Argument checks shared by every backend (names the argument and the value).
+void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tensor& pairs,
+                      const at::Tensor& diff_vectors, const AEVParams& p);
+
+}  // namespace torchani_fast

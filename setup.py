@@ -1,0 +1,58 @@
+"""Build torchani_fast and its compiled ops (torchani_fast._C).
+
+Environment switches:
+  TORCHANI_FAST_CUDA=0|1  build the CUDA kernels (default: 1 when torch was built
+                          with CUDA and CUDA_HOME is found, no GPU needed)
+  TORCH_CUDA_ARCH_LIST    GPU architectures (default: torch's own, plus PTX)
+  DEBUG=1                 -O0 -g
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _use_cuda() -> bool:
+    flag = os.environ.get("TORCHANI_FAST_CUDA")
+    if flag is not None:
+        return flag.strip().lower() in ("1", "true", "yes", "on")
+    import torch
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def _extension():
+    debug = os.environ.get("DEBUG", "0") == "1"
+    cxx = ["-O0", "-g"] if debug else ["-O3"]
+    cxx += ["-fopenmp"]
+    sources = sorted(glob.glob(os.path.join("kernels", "*.cpp")))
+    if not _use_cuda():
+        return cpp_extension.CppExtension(
+            "torchani_fast._C", sources, extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
+    if "TORCH_CUDA_ARCH_LIST" not in os.environ:
+        import torch
+
+        archs = [a for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
+        if archs:
+            vers = [f"{a[3:-1]}.{a[-1]}" for a in archs]
+            os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(vers[:-1] + [vers[-1] + "+PTX"])
+    nvcc = ["-O0", "-g", "-lineinfo"] if debug else ["-O3"]
+    nvcc += ["-DTORCHANI_FAST_CUDA"]
+    return cpp_extension.CUDAExtension(
+        "torchani_fast._C",
+        sources + sorted(glob.glob(os.path.join("kernels", "*.cu"))),
+        extra_compile_args={"cxx": cxx + ["-DTORCHANI_FAST_CUDA"], "nvcc": nvcc},
+        extra_link_args=["-fopenmp"],
+    )
+
+
+setup(
+    packages=find_packages(include=["torchani_fast", "torchani_fast.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+)

@@ -1,0 +1,187 @@
+"""The AEV featurizer: a drop-in replacement for ``torchani.aev.AEVComputer``.
+
+It keeps TorchANI's ``radial`` (ANIRadial) and ``angular`` (ANIAngular) modules,
+so the constants stay buffers under the same state-dict keys and move with
+``.to()``, and computes the AEV with the ``torchani_fast::aev`` op.
+"""
+import typing as tp
+
+import torch
+from torch import Tensor
+from torch.jit import Final
+from torchani.neighbors import Neighbors
+
+from . import ops
+
+__all__ = ["AEVComputer", "NeighborList"]
+
+# Below this many atoms per molecule testing every pair is cheaper than binning.
+CELL_LIST_MIN_ATOMS = 256
+_STRATEGIES = ("auto", "all_pairs", "cell_list")
+
+
+class NeighborList(torch.nn.Module):
+    """Neighbour search with the ``torchani_fast::neighbor_pairs`` op.
+
+    Called like TorchANI's neighbour lists, ``nl(cutoff, elem_idxs, coords, cell, pbc)``,
+    and returns a ``torchani.neighbors.Neighbors``. Unlike TorchANI's ``AllPairs``
+    it is right for batches of periodic molecules, and unlike its ``CellList`` it
+    handles batches, partial pbc and cells smaller than the cutoff.
+
+    Parameters
+    ----------
+    strategy : {"auto", "all_pairs", "cell_list"}
+        "auto" bins atoms (O(N)) from ``CELL_LIST_MIN_ATOMS`` atoms per molecule on.
+    """
+
+    strategy: str
+
+    def __init__(self, strategy: str = "auto"):
+        super().__init__()
+        self.strategy = "auto"
+        self.set_strategy(strategy)
+
+    @torch.jit.export
+    def set_strategy(self, strategy: str) -> None:
+        if strategy not in ["auto", "all_pairs", "cell_list"]:
+            raise ValueError(
+                "neighbour list strategy must be 'auto', 'all_pairs' or 'cell_list', got '"
+                + strategy + "'"
+            )
+        self.strategy = strategy
+
+    def forward(
+        self,
+        cutoff: float,
+        elem_idxs: Tensor,
+        coords: Tensor,
+        cell: tp.Optional[Tensor] = None,
+        pbc: tp.Optional[Tensor] = None,
+    ) -> Neighbors:
+        if pbc is not None and cell is None:
+            raise ValueError("pbc was given without a cell: pass cell=(3, 3) lattice vectors")
+        if pbc is None:
+            cell = None
+        use_cells = self.strategy == "cell_list" or (
+            self.strategy == "auto" and elem_idxs.shape[1] >= CELL_LIST_MIN_ATOMS
+        )
+        pairs, images = ops.neighbor_pairs(
+            elem_idxs, coords.detach(), None if cell is None else cell.detach(), pbc,
+            cutoff, use_cells,
+        )
+        flat = coords.view(-1, 3)
+        diff = flat.index_select(0, pairs[0]) - flat.index_select(0, pairs[1])
+        if cell is not None:
+            diff = diff + images @ cell
+        return Neighbors(pairs, diff.norm(2, -1), diff)
+
+
+class AEVComputer(torch.nn.Module):
+    """ANI AEVs with torchani_fast's compiled kernels.
+
+    Build it from a TorchANI ``AEVComputer`` (``AEVComputer.from_torchani``); the
+    ``radial`` and ``angular`` term modules are shared, not copied.
+    """
+
+    num_species: Final[int]
+    num_species_pairs: Final[int]
+    radial_len: Final[int]
+    angular_len: Final[int]
+    out_dim: Final[int]
+    _strategy: str
+
+    def __init__(self, radial: torch.nn.Module, angular: torch.nn.Module, num_species: int,
+                 triu_index: Tensor, neighborlist: tp.Optional[NeighborList] = None):
+        super().__init__()
+        self.radial = radial
+        self.angular = angular
+        self.num_species = num_species
+        self.num_species_pairs = num_species * (num_species + 1) // 2
+        self.register_buffer("triu_index", triu_index)
+        self.neighborlist = neighborlist if neighborlist is not None else NeighborList()
+        self.radial_len = int(radial.num_feats) * num_species
+        self.angular_len = int(angular.num_feats) * self.num_species_pairs
+        self.out_dim = self.radial_len + self.angular_len
+        self._strategy = "torchani_fast"
+
+    @classmethod
+    def from_torchani(cls, aev_computer: torch.nn.Module,
+                      neighborlist: tp.Optional[NeighborList] = None) -> "AEVComputer":
+        """Wrap the terms of a ``torchani.aev.AEVComputer`` (raises if unsupported)."""
+        check_supported(aev_computer)
+        return cls(aev_computer.radial, aev_computer.angular, aev_computer.num_species,
+                   aev_computer.triu_index, neighborlist)
+
+    @property
+    def strategy(self) -> str:
+        return self._strategy
+
+    @torch.jit.export
+    def set_strategy(self, strat: str) -> None:
+        # TorchANI's strategies select its own implementations ('pyaev', 'cuaev',
+        # ...). A patched model always uses torchani_fast's kernels, which give the
+        # same AEVs, so every TorchANI strategy name is accepted.
+        if strat not in ["auto", "pyaev", "cuaev", "cuaev-fused", "cuaev-interface",
+                         "torchani_fast"]:
+            raise ValueError("Unknown compute strategy '" + strat + "'")
+
+    def forward(
+        self,
+        elem_idxs: Tensor,
+        coords: tp.Optional[Tensor] = None,
+        cell: tp.Optional[Tensor] = None,
+        pbc: tp.Optional[Tensor] = None,
+    ) -> Tensor:
+        """AEVs (M, A, out_dim) of a batch; see ``torchani.aev.AEVComputer.forward``."""
+        if coords is None:
+            raise ValueError("coords is required")
+        neighbors = self.neighborlist(float(self.radial.cutoff), elem_idxs, coords, cell, pbc)
+        return self._aev(elem_idxs, neighbors.indices, neighbors.diff_vectors)
+
+    @torch.jit.export
+    def compute_from_neighbors(self, elem_idxs: Tensor, coords: Tensor,
+                               neighbors: Neighbors) -> Tensor:
+        """AEVs from an existing neighbour list.
+
+        Only ``neighbors.indices`` and ``neighbors.diff_vectors`` are read (the
+        distances are recomputed from the vectors), and the result is
+        differentiable with respect to ``diff_vectors``, which is how ASE stress
+        and external neighbour lists get their gradients.
+        """
+        return self._aev(elem_idxs, neighbors.indices, neighbors.diff_vectors)
+
+    def _aev(self, elem_idxs: Tensor, pairs: Tensor, diff_vectors: Tensor) -> Tensor:
+        return ops.aev(
+            elem_idxs, pairs, diff_vectors,
+            self.radial.eta, self.radial.shifts,
+            self.angular.eta, self.angular.zeta, self.angular.shifts, self.angular.sections,
+            float(self.radial.cutoff), float(self.angular.cutoff), self.num_species,
+        )
+
+
+def check_supported(aev_computer: torch.nn.Module) -> None:
+    """Raise ``TypeError`` naming what torchani_fast cannot reproduce exactly."""
+    from torchani.aev import AEVComputer as TorchaniAEV
+    from torchani.aev._terms import ANIAngular, ANIRadial
+    from torchani.cutoffs import CutoffCosine
+
+    if not isinstance(aev_computer, TorchaniAEV):
+        raise TypeError(
+            f"torchani_fast supports torchani.aev.AEVComputer, got {type(aev_computer).__name__}"
+        )
+    radial, angular = aev_computer.radial, aev_computer.angular
+    if type(radial) is not ANIRadial or type(angular) is not ANIAngular:
+        raise TypeError(
+            "torchani_fast supports ANIRadial + ANIAngular terms, got "
+            f"{type(radial).__name__} + {type(angular).__name__}"
+        )
+    for name, term in (("radial", radial), ("angular", angular)):
+        if type(term.cutoff_fn) is not CutoffCosine:
+            raise TypeError(
+                f"torchani_fast supports the cosine cutoff, but the {name} terms use "
+                f"{type(term.cutoff_fn).__name__}"
+            )
+    if not angular.cutoff <= radial.cutoff:
+        raise TypeError(
+            f"angular cutoff {angular.cutoff} must not exceed the radial cutoff {radial.cutoff}"
+        )

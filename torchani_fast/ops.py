@@ -1,0 +1,131 @@
+"""Typed wrappers over ``torch.ops.torchani_fast`` and the fake (meta) kernels.
+
+The C++ side (``kernels/registration.cpp``) declares the schemas and the CPU,
+CUDA and autograd kernels. The fake kernels here let ``torch.compile``,
+``torch.export`` and ``torch.library.opcheck`` trace the ops without data.
+"""
+import typing as tp
+
+import torch
+from torch import Tensor
+
+__all__ = ["neighbor_pairs", "aev", "aev_backward"]
+
+
+def neighbor_pairs(
+    species: Tensor,
+    coords: Tensor,
+    cell: tp.Optional[Tensor],
+    pbc: tp.Optional[Tensor],
+    cutoff: float,
+    cell_list: bool,
+) -> tp.Tuple[Tensor, Tensor]:
+    """Pairs of atoms closer than ``cutoff`` (each unordered pair once).
+
+    Parameters
+    ----------
+    species : Tensor, int64 or int32, shape (M, A)
+        Element indices; -1 marks padding atoms, which never appear in a pair.
+    coords : Tensor, float32 or float64, shape (M, A, 3)
+        Cartesian coordinates in Å; need not be wrapped into the cell.
+    cell : Tensor, shape (3, 3), optional
+        Lattice vectors as rows (one cell for the whole batch).
+    pbc : Tensor, bool, shape (3,), optional
+        Periodicity of each lattice vector; given together with ``cell``.
+    cutoff : float
+        Cutoff radius in Å.
+    cell_list : bool
+        Bin atoms into cells (O(N)) instead of testing every pair of a molecule.
+
+    Returns
+    -------
+    pairs : Tensor, int64, shape (2, P)
+        Indices into the flattened ``M * A`` atoms, ``pairs[0] <= pairs[1]``.
+    images : Tensor, coords dtype, shape (P, 3)
+        Integer lattice translations: the pair's difference vector is
+        ``coords[pairs[0]] - coords[pairs[1]] + images @ cell``.
+    """
+    return torch.ops.torchani_fast.neighbor_pairs(species, coords, cell, pbc, cutoff, cell_list)
+
+
+def aev(
+    species: Tensor,
+    pairs: Tensor,
+    diff_vectors: Tensor,
+    radial_eta: Tensor,
+    radial_shifts: Tensor,
+    angular_eta: Tensor,
+    angular_zeta: Tensor,
+    angular_shifts: Tensor,
+    angular_sections: Tensor,
+    radial_cutoff: float,
+    angular_cutoff: float,
+    num_species: int,
+) -> Tensor:
+    """ANI atomic environment vectors from a half neighbour list.
+
+    Parameters
+    ----------
+    species : Tensor, int64 or int32, shape (M, A)
+        Element indices (0 .. num_species-1); -1 marks padding (zero AEV row).
+    pairs : Tensor, int64, shape (2, P)
+        Atom pairs, indices into the flattened ``M * A`` atoms. Pairs that touch
+        padding or are farther apart than ``radial_cutoff`` are ignored.
+    diff_vectors : Tensor, float32 or float64, shape (P, 3)
+        ``coords[pairs[0]] - coords[pairs[1]]`` (+ lattice shift), in Å. The AEV
+        is computed in this dtype and is differentiable with respect to it.
+    radial_eta, radial_shifts, angular_eta, angular_zeta, angular_shifts, angular_sections : Tensor
+        ``ANIRadial`` / ``ANIAngular`` constants (eta/zeta of size 1 or one per
+        shift/section).
+    radial_cutoff, angular_cutoff : float
+        Cosine cutoff radii in Å (angular <= radial).
+    num_species : int
+        Number of elements the AEV distinguishes.
+
+    Returns
+    -------
+    Tensor, shape (M, A, F)
+        F = S*R + S(S+1)/2 * A*Z, in TorchANI's layout.
+    """
+    return torch.ops.torchani_fast.aev(
+        species, pairs, diff_vectors, radial_eta, radial_shifts, angular_eta, angular_zeta,
+        angular_shifts, angular_sections, radial_cutoff, angular_cutoff, num_species,
+    )
+
+
+def aev_backward(grad_aev: Tensor, *args: tp.Any) -> Tensor:
+    """Gradient of ``sum(grad_aev * aev(*args))`` with respect to ``diff_vectors`` (P, 3)."""
+    return torch.ops.torchani_fast.aev_backward(grad_aev, *args)
+
+
+def _aev_length(radial_shifts: Tensor, angular_shifts: Tensor, angular_sections: Tensor,
+                num_species: int) -> int:
+    s = num_species
+    return (s * radial_shifts.numel()
+            + s * (s + 1) // 2 * angular_shifts.numel() * angular_sections.numel())
+
+
+@torch.library.register_fake("torchani_fast::neighbor_pairs")
+def _neighbor_pairs_fake(species, coords, cell, pbc, cutoff, cell_list):
+    torch._check(species.dim() == 2, lambda: "species must be (M, A)")
+    torch._check(coords.shape == (*species.shape, 3), lambda: "coords must be (M, A, 3)")
+    num_pairs = torch.library.get_ctx().new_dynamic_size()
+    pairs = species.new_empty((2, num_pairs), dtype=torch.long)
+    images = coords.new_empty((num_pairs, 3))
+    return pairs, images
+
+
+@torch.library.register_fake("torchani_fast::aev")
+def _aev_fake(species, pairs, diff_vectors, radial_eta, radial_shifts, angular_eta,
+              angular_zeta, angular_shifts, angular_sections, radial_cutoff, angular_cutoff,
+              num_species):
+    torch._check(pairs.dim() == 2 and pairs.shape[0] == 2, lambda: "pairs must be (2, P)")
+    torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
+    length = _aev_length(radial_shifts, angular_shifts, angular_sections, num_species)
+    return diff_vectors.new_empty((*species.shape, length))
+
+
+@torch.library.register_fake("torchani_fast::aev_backward")
+def _aev_backward_fake(grad_aev, species, pairs, diff_vectors, *rest):
+    torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
+    return torch.empty_like(diff_vectors)

@@ -38,9 +38,10 @@ HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int6
   std::vector<char> keep(num_pairs, 0);
   for (int64_t p = 0; p < num_pairs; ++p) {
     const int64_t a = i0[p], b = i1[p];
-    TORCH_CHECK(a >= 0 && a < num_atoms && b >= 0 && b < num_atoms,
-                "torchani_fast::aev: pairs must index the ", num_atoms,
-                " flattened atoms, got pair ", p, " = (", a, ", ", b, ")");
+    // A negative index marks an unused slot of a fixed-capacity pair list.
+    if (a < 0 || b < 0) continue;
+    TORCH_CHECK(a < num_atoms && b < num_atoms, "torchani_fast::aev: pairs must index the ",
+                num_atoms, " flattened atoms, got pair ", p, " = (", a, ", ", b, ")");
     if (species[a] < 0 || species[b] < 0) continue;
     const scalar_t* d = diff + 3 * p;
     const scalar_t r2 = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];

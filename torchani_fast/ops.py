@@ -69,7 +69,8 @@ def aev(
     species : Tensor, int64 or int32, shape (M, A)
         Element indices (0 .. num_species-1); -1 marks padding (zero AEV row).
     pairs : Tensor, int64, shape (2, P)
-        Atom pairs, indices into the flattened ``M * A`` atoms. Pairs that touch
+        Atom pairs, indices into the flattened ``M * A`` atoms. Pairs with a
+        negative index (unused slots), pairs that touch
         padding or are farther apart than ``radial_cutoff`` are ignored.
     diff_vectors : Tensor, float32 or float64, shape (P, 3)
         ``coords[pairs[0]] - coords[pairs[1]]`` (+ lattice shift), in Å. The AEV

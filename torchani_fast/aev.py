@@ -35,10 +35,12 @@ class NeighborList(torch.nn.Module):
     """
 
     strategy: str
+    cell_list_min_atoms: Final[int]
 
     def __init__(self, strategy: str = "auto"):
         super().__init__()
         self.strategy = "auto"
+        self.cell_list_min_atoms = CELL_LIST_MIN_ATOMS
         self.set_strategy(strategy)
 
     @torch.jit.export
@@ -63,7 +65,7 @@ class NeighborList(torch.nn.Module):
         if pbc is None:
             cell = None
         use_cells = self.strategy == "cell_list" or (
-            self.strategy == "auto" and elem_idxs.shape[1] >= CELL_LIST_MIN_ATOMS
+            self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
         )
         pairs, images = ops.neighbor_pairs(
             elem_idxs, coords.detach(), None if cell is None else cell.detach(), pbc,

@@ -1,0 +1,140 @@
+"""The AEV op and AEVComputer against TorchANI's own featurizer (same process)."""
+import copy
+
+import pytest
+import torch
+
+import torchani_fast
+from torchani_fast import ops
+
+from conftest import atoms_to_tensors, read_molecule, reference_model
+
+NONPERIODIC = ["2iuz_ligand.xyz", "3lka_ligand.xyz", "3hkw_ligand.xyz", "3o99_ligand.xyz",
+               "1hvj_ligand.xyz", "small.xyz", "1hz5.xyz"]
+PERIODIC = ["benzene.xyz", "tight_cell.xyz", "water-0.8nm.xyz"]
+
+
+def aev_pair(name="ANI2x", dtype=torch.float64):
+    ref = reference_model(name, dtype)
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    return ref, fast
+
+
+def tol(dtype):
+    return dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", NONPERIODIC + PERIODIC)
+def test_aev_matches_torchani(name, dtype):
+    ref, fast = aev_pair("ANI2x", dtype)
+    species, coords, cell, pbc = atoms_to_tensors(read_molecule(name), dtype)
+    elem = ref.species_converter(species)
+    expected = ref.potentials["nnp"].aev_computer(elem, coords, cell, pbc)
+    got = fast.potentials["nnp"].aev_computer(elem, coords, cell, pbc)
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, **tol(dtype))
+
+
+def test_aev_ani1x_and_padded_batch():
+    ref, fast = aev_pair("ANI1x", torch.float64)
+    mols = [read_molecule(n) for n in ("2iuz_ligand.xyz", "1hvj_ligand.xyz")]
+    # ANI-1x knows H C N O only: both ligands qualify.
+    n = max(len(m) for m in mols)
+    species = torch.full((2, n), -1, dtype=torch.long)
+    coords = torch.zeros(2, n, 3, dtype=torch.float64)
+    for i, m in enumerate(mols):
+        species[i, : len(m)] = torch.tensor(m.numbers)
+        coords[i, : len(m)] = torch.tensor(m.positions)
+    # Padding atoms sit on top of a real atom: they must still be ignored.
+    coords[0, len(mols[0]):] = coords[0, 0]
+    elem = ref.species_converter(species)
+    expected = ref.potentials["nnp"].aev_computer(elem, coords)
+    got = fast.potentials["nnp"].aev_computer(elem, coords)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert (got[0, len(mols[0]):] == 0).all()
+
+
+def chloromethane(dtype=torch.float64):
+    species = torch.tensor([[6, 17, 1, 1, 1]])
+    coords = torch.tensor([[[0.0, 0.0, 0.0], [0.0, 0.0, 1.78], [1.03, 0.0, -0.36],
+                            [-0.52, 0.89, -0.36], [-0.52, -0.89, -0.36]]], dtype=dtype)
+    return species, coords
+
+
+def test_aev_with_chlorine():
+    ref, fast = aev_pair("ANI2x", torch.float64)
+    species, coords = chloromethane()
+    elem = ref.species_converter(species)
+    expected = ref.potentials["nnp"].aev_computer(elem, coords)
+    got = fast.potentials["nnp"].aev_computer(elem, coords)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def aev_args(aev_computer, dtype):
+    r, a = aev_computer.radial, aev_computer.angular
+    consts = [t.to(dtype) for t in (r.eta, r.shifts, a.eta, a.zeta, a.shifts, a.sections)]
+    return consts + [float(r.cutoff), float(a.cutoff), aev_computer.num_species]
+
+
+def small_system(dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    species = torch.tensor([[0, 1, 2, 0, 3, -1]])
+    coords = torch.rand(1, 6, 3, generator=g, dtype=dtype) * 3.0
+    return species, coords
+
+
+def test_gradcheck_aev_op():
+    ref = reference_model("ANI2x", torch.float64)
+    species, coords = small_system()
+    pairs, _ = ops.neighbor_pairs(species, coords, None, None, 5.1, False)
+    flat = coords.view(-1, 3)
+    diff = (flat[pairs[0]] - flat[pairs[1]]).requires_grad_(True)
+    args = aev_args(ref.potentials["nnp"].aev_computer, torch.float64)
+    assert torch.autograd.gradcheck(lambda d: ops.aev(species, pairs, d, *args), (diff,), fast_mode=True)
+
+
+def test_gradcheck_through_coords_and_cell():
+    ref, fast = aev_pair("ANI2x", torch.float64)
+    aevc = fast.potentials["nnp"].aev_computer
+    species, coords = small_system(seed=1)
+    coords.requires_grad_(True)
+    cell = (torch.eye(3, dtype=torch.float64) * 3.2 + 0.3 * torch.rand(3, 3, dtype=torch.float64)).requires_grad_(True)
+    pbc = torch.tensor([True, True, True])
+    assert torch.autograd.gradcheck(lambda x, c: aevc(species, x, c, pbc), (coords, cell), fast_mode=True)
+
+
+def test_opcheck_every_op():
+    ref = reference_model("ANI2x", torch.float64)
+    for dtype in (torch.float32, torch.float64):
+        args = aev_args(ref.potentials["nnp"].aev_computer, dtype)
+        species, coords = small_system(dtype)
+        cell = torch.eye(3, dtype=dtype) * 4.0
+        pbc = torch.tensor([True, False, True])
+        for c, p in ((None, None), (cell, pbc)):
+            for cl in (False, True):
+                torch.library.opcheck(torch.ops.torchani_fast.neighbor_pairs.default,
+                                      (species, coords, c, p, 5.1, cl))
+        pairs, _ = ops.neighbor_pairs(species, coords, None, None, 5.1, False)
+        flat = coords.view(-1, 3)
+        diff = flat[pairs[0]] - flat[pairs[1]]
+        torch.library.opcheck(torch.ops.torchani_fast.aev.default, (species, pairs, diff, *args))
+        torch.library.opcheck(torch.ops.torchani_fast.aev.default,
+                              (species, pairs, diff.clone().requires_grad_(True), *args))
+        grad = torch.randn(*species.shape, ref.potentials["nnp"].aev_computer.out_dim, dtype=dtype)
+        torch.library.opcheck(torch.ops.torchani_fast.aev_backward.default,
+                              (grad, species, pairs, diff, *args))
+
+
+def test_int32_species_accepted():
+    ref, fast = aev_pair("ANI2x", torch.float64)
+    species, coords = small_system()
+    aevc = fast.potentials["nnp"].aev_computer
+    torch.testing.assert_close(aevc(species.int(), coords), aevc(species, coords), rtol=0, atol=0)
+
+
+def test_float32_computed_in_float32():
+    ref, fast = aev_pair("ANI2x", torch.float32)
+    species, coords = small_system(torch.float32)
+    out = fast.potentials["nnp"].aev_computer(species, coords)
+    assert out.dtype == torch.float32

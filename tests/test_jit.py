@@ -1,0 +1,48 @@
+"""TorchScript: script, save, and load in a fresh process that only imports torchani_fast."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from conftest import atoms_to_tensors, energy_forces, model_pair, read_molecule
+
+
+def test_script_save_load_roundtrip(tmp_path):
+    ref, fast = model_pair("ANI2x", torch.float32)
+    scripted = torch.jit.script(fast)
+    species, coords, cell, pbc = atoms_to_tensors(read_molecule("water-0.8nm.xyz"), torch.float32)
+    mol, mcoords, _, _ = atoms_to_tensors(read_molecule("2iuz_ligand.xyz"), torch.float32)
+    cases = {"periodic": (species, coords, cell, pbc), "molecule": (mol, mcoords, None, None)}
+    expected = {}
+    for key, (s, x, c, p) in cases.items():
+        e_ref, f_ref = energy_forces(ref, s, x, c, p)
+        e, f = energy_forces(scripted, s, x, c, p)
+        torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=0)
+        torch.testing.assert_close(f, f_ref, rtol=0, atol=5e-5)
+        expected[key] = (e, f)
+    path = tmp_path / "model.pt"
+    torch.jit.save(scripted, str(path))
+    torch.save({"cases": cases, "expected": expected}, str(tmp_path / "data.pt"))
+    # A fresh interpreter: no conftest, no TorchANI import, only the custom ops.
+    script = textwrap.dedent(f"""
+        import torch, torchani_fast
+        data = torch.load({str(tmp_path / "data.pt")!r})
+        model = torch.jit.load({str(path)!r})
+        for key, (s, x, c, p) in data["cases"].items():
+            x = x.clone().requires_grad_(True)
+            e = model((s, x), cell=c, pbc=p).energies
+            g, = torch.autograd.grad(e.sum(), x)
+            e_exp, f_exp = data["expected"][key]
+            assert torch.equal(e.detach(), e_exp), (key, e, e_exp)
+            torch.testing.assert_close(-g, f_exp, rtol=0, atol=1e-6)
+            q = model.energies_qbcs((s, x.detach()), c, p)
+        model.set_active_members([0, 2])
+        print("OK")
+    """)
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OK" in out.stdout

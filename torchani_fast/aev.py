@@ -12,6 +12,7 @@ from torch.jit import Final
 from torchani.neighbors import Neighbors
 
 from . import ops
+from .validation import check_cell_pbc
 
 __all__ = ["AEVComputer", "NeighborList"]
 
@@ -60,10 +61,7 @@ class NeighborList(torch.nn.Module):
         cell: tp.Optional[Tensor] = None,
         pbc: tp.Optional[Tensor] = None,
     ) -> Neighbors:
-        if pbc is not None and cell is None:
-            raise ValueError("pbc was given without a cell: pass cell=(3, 3) lattice vectors")
-        if pbc is None:
-            cell = None
+        check_cell_pbc(coords, cell, pbc)
         use_cells = self.strategy == "cell_list" or (
             self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
         )

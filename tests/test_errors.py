@@ -1,0 +1,105 @@
+"""Bad input raises an error naming the argument and the value, eager and scripted."""
+import pytest
+import torch
+
+from conftest import energy_forces, model_pair
+from test_aev import chloromethane
+
+# A scripted model re-raises as torch.jit.Error, with the original message inside.
+ERRORS = (ValueError, RuntimeError, torch.jit.Error)
+
+
+@pytest.fixture(scope="module")
+def models():
+    ref, fast = model_pair("ANI2x", torch.float32)
+    return ref, fast, torch.jit.script(fast)
+
+
+def water(dtype=torch.float32):
+    species = torch.tensor([[8, 1, 1]])
+    coords = torch.tensor([[[0.0, 0.0, 0.1173], [0.0, 0.7572, -0.4692], [0.0, -0.7572, -0.4692]]],
+                          dtype=dtype)
+    return species, coords
+
+
+BAD_INPUTS = {
+    "unsupported element": (lambda s, x: (torch.tensor([[26, 1, 1]]), x, {}),
+                            r"unsupported element Fe \(atomic number 26\) at molecule 0, atom 0"),
+    "not an element": (lambda s, x: (torch.tensor([[8, 1, 300]]), x, {}),
+                       r"atomic numbers .* got 300 at molecule 0, atom 2"),
+    "species below -1": (lambda s, x: (torch.tensor([[8, 1, -2]]), x, {}),
+                         r"species must be >= -1 .* got -2 at molecule 0, atom 2"),
+    "float species": (lambda s, x: (s.float(), x, {}), r"species must be an integer tensor"),
+    "coords shape": (lambda s, x: (s, x[..., :2], {}), r"coords must have shape .*\[1, 3, 3\].*got \[1, 3, 2\]"),
+    "coords mismatch": (lambda s, x: (s, x[:, :2], {}), r"coords must have shape .*got \[1, 2, 3\]"),
+    "nan coords": (lambda s, x: (s, x.clone().index_fill_(1, torch.tensor([1]), float("nan")), {}),
+                   r"coords must be finite, got \[nan, nan, nan\] at molecule 0, atom 1"),
+    "inf coords": (lambda s, x: (s, x.clone().index_fill_(1, torch.tensor([2]), float("inf")), {}),
+                   r"coords must be finite.*atom 2"),
+    "dtype": (lambda s, x: (s, x.double(), {}), r"coords are torch.float64 but the model is torch.float32"),
+    "empty": (lambda s, x: (s[:0], x[:0], {}), r"species is empty"),
+    "cell shape": (lambda s, x: (s, x, dict(cell=torch.eye(2), pbc=torch.tensor([True] * 3))),
+                   r"cell must have shape \(3, 3\), got \[2, 2\]"),
+    "singular cell": (lambda s, x: (s, x, dict(cell=torch.tensor([[5.0, 0, 0], [10.0, 0, 0], [0, 0, 5.0]]),
+                                               pbc=torch.tensor([True] * 3))), r"cell is singular"),
+    "pbc without cell": (lambda s, x: (s, x, dict(pbc=torch.tensor([True] * 3))), r"pbc was given without a cell"),
+    "cell without pbc": (lambda s, x: (s, x, dict(cell=torch.eye(3) * 10)), r"cell was given without pbc"),
+    "pbc shape": (lambda s, x: (s, x, dict(cell=torch.eye(3) * 10, pbc=torch.tensor([True, True]))),
+                  r"pbc must be a bool tensor of shape \(3,\)"),
+    "cell dtype": (lambda s, x: (s, x, dict(cell=torch.eye(3, dtype=torch.float64) * 10,
+                                            pbc=torch.tensor([True] * 3))), r"cell is torch.float64 but coords"),
+    "nan cell": (lambda s, x: (s, x, dict(cell=torch.eye(3) * float("nan"), pbc=torch.tensor([True] * 3))),
+                 r"cell must be finite"),
+}
+
+
+@pytest.mark.parametrize("scripted", [False, True], ids=["eager", "scripted"])
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_named(models, case, scripted):
+    _, fast, script = models
+    model = script if scripted else fast
+    make, pattern = BAD_INPUTS[case]
+    species, coords, kw = make(*water())
+    with pytest.raises(ERRORS, match=pattern):
+        model((species, coords), **kw)
+
+
+def test_other_entry_points_validate(models):
+    _, fast, script = models
+    species, coords = water()
+    for m in (fast, script):
+        with pytest.raises(ERRORS, match="unsupported element Fe"):
+            m.atomic_energies((torch.tensor([[26, 1, 1]]), coords))
+        with pytest.raises(ERRORS, match="coords must be finite"):
+            m.energies_qbcs((species, coords * float("nan")))
+
+
+def test_chlorine_is_supported_and_neon_is_named(models):
+    _, fast, _ = models
+    s, x = chloromethane(torch.float32)
+    fast((s, x))
+    s2 = s.clone()
+    s2[0, 1] = 10
+    with pytest.raises(ValueError, match=r"unsupported element Ne .*supports H, C, N, O, S, F, Cl"):
+        fast((s2, x))
+
+
+# Edge inputs that must work and equal TorchANI.
+def test_edge_inputs_equal_torchani():
+    ref, fast = model_pair("ANI2x", torch.float64)
+    cases = []
+    cases.append((torch.tensor([[6]]), torch.zeros(1, 1, 3, dtype=torch.float64)))  # a single atom
+    s, x = water(torch.float64)
+    far = x.clone()
+    far[0, 2] += torch.tensor([20.0, 0, 0], dtype=torch.float64)  # beyond every cutoff
+    cases.append((s, far))
+    # A batch with a row that is all padding, and padding atoms placed on real atoms.
+    species = torch.tensor([[8, 1, 1, -1], [-1, -1, -1, -1], [1, 8, -1, 1]])
+    coords = torch.cat([torch.cat([x, x[:, :1]], 1), torch.zeros(1, 4, 3, dtype=torch.float64),
+                        torch.cat([x[:, [1, 0]], x[:, :1], x[:, 2:]], 1)])
+    cases.append((species, coords))
+    for s, x in cases:
+        e_ref, f_ref = energy_forces(ref, s, x)
+        e, f = energy_forces(fast, s, x)
+        torch.testing.assert_close(e, e_ref, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-9)

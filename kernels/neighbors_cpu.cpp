@@ -37,11 +37,14 @@ struct MoleculeBins {
   std::vector<int64_t> bin_atoms;  // flattened atom indices sorted by bin
 };
 
+constexpr int64_t kChunk = 256;  // atoms per output chunk
+constexpr size_t kRecord = 4;    // j, image (3)
+
 template <typename scalar_t>
 void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, int64_t A,
                     const double* cell /* row-major 3x3 or nullptr */, const bool* pbc,
-                    double cutoff, bool cell_list, std::vector<int64_t>& out_pairs,
-                    std::vector<scalar_t>& out_images) {
+                    double cutoff, bool cell_list, std::vector<std::vector<int64_t>>& found,
+                    std::vector<int64_t>& count) {
   // Cell and its inverse in double: x = f @ cell, f = x @ inv.
   double C[9] = {1, 0, 0, 0, 1, 0, 0, 0, 1}, inv[9] = {1, 0, 0, 0, 1, 0, 0, 0, 1};
   bool periodic[3] = {false, false, false};
@@ -88,10 +91,13 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
         for (int a = 0; a < 3; ++a) {
           double f = x[0] * inv[a] + x[1] * inv[3 + a] + x[2] * inv[6 + a];
           if (periodic[a]) {
-            const double k = std::floor(f);
-            shift[3 * i + a] = static_cast<int64_t>(k);
+            double k = std::floor(f);
             f -= k;
-            if (f >= 1.0) f = 0.0;  // f = -1e-17 rounds up to 1
+            if (f >= 1.0) {  // f = -1e-17 gives 1 - 1e-17, which rounds to 1
+              f = 0.0;
+              k += 1.0;  // the shift must stay the translation actually removed
+            }
+            shift[3 * i + a] = static_cast<int64_t>(k);
           }
           frac[3 * i + a] = f;
           lo[a] = std::min(lo[a], f);
@@ -105,23 +111,27 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
         for (auto& ax : mol.axis) ax = Axis{1, 0, 0.0, 1.0, false};
         continue;
       }
-      int64_t nbins = 1;
+      // Keep the grid no larger than a few bins per atom (sparse or elongated
+      // systems); counted in double so that no product can overflow.
+      const double max_bins = 4.0 * static_cast<double>(count) + 27.0;
+      double nb[3];
       for (int a = 0; a < 3; ++a) {
         Axis& ax = mol.axis[a];
         ax.periodic = periodic[a];
         const double extent = ax.periodic ? 1.0 : hi[a] - lo[a];
         ax.lo = ax.periodic ? 0.0 : lo[a];
-        ax.nb = cell_list ? std::max<int64_t>(1, static_cast<int64_t>(std::floor(extent / span[a]))) : 1;
-        nbins *= ax.nb;
+        nb[a] = cell_list ? std::max(1.0, std::min(std::floor(extent / span[a]), max_bins)) : 1.0;
       }
-      // Keep the grid no larger than a few bins per atom (sparse or elongated systems).
-      while (nbins > 4 * count + 27) {
+      while (nb[0] * nb[1] * nb[2] > max_bins) {
         int big = 0;
         for (int a = 1; a < 3; ++a)
-          if (mol.axis[a].nb > mol.axis[big].nb) big = a;
-        nbins /= mol.axis[big].nb;
-        mol.axis[big].nb = (mol.axis[big].nb + 1) / 2;
-        nbins *= mol.axis[big].nb;
+          if (nb[a] > nb[big]) big = a;
+        nb[big] = std::ceil(nb[big] / 2.0);
+      }
+      int64_t nbins = 1;
+      for (int a = 0; a < 3; ++a) {
+        mol.axis[a].nb = static_cast<int64_t>(nb[a]);
+        nbins *= mol.axis[a].nb;
       }
       for (int a = 0; a < 3; ++a) {
         Axis& ax = mol.axis[a];
@@ -151,12 +161,17 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
     }
   });
 
-  // Each atom collects its own pairs; concatenating in atom order keeps the output
-  // independent of the number of threads.
-  std::vector<std::vector<int64_t>> found(N);
+  // Atoms are taken in fixed chunks, each collecting its pairs as (j, image) in
+  // atom order (count[i] of them for atom i); concatenating the chunks in order
+  // makes the output independent of the number of threads. Chunks, unlike
+  // per-atom lists, are few and large, so their memory goes back to the system
+  // once copied out instead of staying in the allocator's small-object heap.
+  const int64_t num_chunks = (N + kChunk - 1) / kChunk;
+  found.assign(num_chunks, {});
+  count.assign(N, 0);
   const double cutoff_sq = cutoff * cutoff;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t i = chunk_begin * kChunk; i < std::min(N, chunk_end * kChunk); ++i) {
       if (species[i] < 0) continue;
       const MoleculeBins& mol = mols[i / A];
       int64_t own[3];
@@ -165,7 +180,7 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
         own[a] = b % mol.axis[a].nb;
         b /= mol.axis[a].nb;
       }
-      auto& mine = found[i];
+      auto& mine = found[i / kChunk];
       for (int64_t d0 = -mol.axis[0].reach; d0 <= mol.axis[0].reach; ++d0)
         for (int64_t d1 = -mol.axis[1].reach; d1 <= mol.axis[1].reach; ++d1)
           for (int64_t d2 = -mol.axis[2].reach; d2 <= mol.axis[2].reach; ++d2) {
@@ -202,6 +217,7 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
                 r2 += v * v;
               }
               if (r2 > cutoff_sq) continue;
+              ++count[i];
               mine.push_back(j);
               // x'[i] - (x'[j] + img @ C) with x' = x - shift @ C gives
               // x[i] - x[j] + (shift[j] - shift[i] - img) @ C.
@@ -211,18 +227,33 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
           }
     }
   });
+}
+
+// Pairs and images from the chunks, in order (count[i] records belong to atom i);
+// each chunk is freed once copied.
+template <typename scalar_t>
+void write_pairs(std::vector<std::vector<int64_t>>& found, const std::vector<int64_t>& count,
+                 at::Tensor& pairs, at::Tensor& images, const at::TensorOptions& long_opts,
+                 const at::TensorOptions& float_opts) {
   int64_t P = 0;
-  for (const auto& f : found) P += static_cast<int64_t>(f.size()) / 4;
-  out_pairs.resize(2 * P);
-  out_images.resize(3 * P);
+  for (const auto& f : found) P += static_cast<int64_t>(f.size()) / kRecord;
+  pairs = at::empty({2, P}, long_opts);
+  images = at::empty({P, 3}, float_opts);
+  int64_t* first = pairs.data_ptr<int64_t>();
+  int64_t* second = first + P;
+  scalar_t* img = images.data_ptr<scalar_t>();
+  const int64_t N = static_cast<int64_t>(count.size());
   int64_t p = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    const auto& f = found[i];
-    for (size_t q = 0; q < f.size(); q += 4, ++p) {
-      out_pairs[p] = i;
-      out_pairs[P + p] = f[q];
-      for (int a = 0; a < 3; ++a) out_images[3 * p + a] = static_cast<scalar_t>(f[q + 1 + a]);
-    }
+  for (int64_t c = 0; c < static_cast<int64_t>(found.size()); ++c) {
+    auto& f = found[c];
+    size_t q = 0;
+    for (int64_t i = c * kChunk; i < std::min(N, (c + 1) * kChunk); ++i)
+      for (int64_t k = 0; k < count[i]; ++k, ++p, q += kRecord) {
+        first[p] = i;
+        second[p] = f[q];
+        for (int a = 0; a < 3; ++a) img[3 * p + a] = static_cast<scalar_t>(f[q + 1 + a]);
+      }
+    std::vector<int64_t>().swap(f);
   }
 }
 
@@ -265,18 +296,14 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
   auto sp = species.to(at::kLong).contiguous();
   auto x = coords.detach().contiguous();
   const int64_t M = species.size(0), A = species.size(1);
-  std::vector<int64_t> pairs_v;
   at::Tensor pairs, images;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "neighbor_pairs_cpu", [&] {
-    std::vector<scalar_t> images_v;
+    std::vector<std::vector<int64_t>> found;
+    std::vector<int64_t> count;
     neighbors_impl<scalar_t>(sp.data_ptr<int64_t>(), x.data_ptr<scalar_t>(), M, A,
                              cell.has_value() ? cell_d.data_ptr<double>() : nullptr, pbc_h,
-                             cutoff, cell_list, pairs_v, images_v);
-    const int64_t P = static_cast<int64_t>(images_v.size()) / 3;
-    pairs = at::empty({2, P}, sp.options());
-    std::copy(pairs_v.begin(), pairs_v.end(), pairs.data_ptr<int64_t>());
-    images = at::empty({P, 3}, x.options());
-    std::copy(images_v.begin(), images_v.end(), images.data_ptr<scalar_t>());
+                             cutoff, cell_list, found, count);
+    write_pairs<scalar_t>(found, count, pairs, images, sp.options(), x.options());
   });
   return {pairs, images};
 }

@@ -3,6 +3,8 @@
 >>> import torchani, torchani_fast
 >>> model = torchani_fast.patch(torchani.models.ANI2x())
 """
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
 try:
     from . import _C  # noqa: F401  (registers torch.ops.torchani_fast.*)
 except ImportError as exc:  # keep the real reason: a missing build, an ABI mismatch...

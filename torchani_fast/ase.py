@@ -1,0 +1,258 @@
+"""ASE calculator for (patched) TorchANI models.
+
+>>> from torchani_fast.models import ANI2x
+>>> atoms.calc = ANI2x(dtype=torch.float64).ase()       # or Calculator(model)
+>>> atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+
+Unlike ``torchani.ase.Calculator``, which runs the model once per property that
+ASE asks for, each new geometry is evaluated once: the energy, the forces and
+(for periodic systems) the stress come out of one forward and one backward pass
+and are all cached, so ``get_potential_energy()`` followed by ``get_forces()``
+and ``get_stress()`` costs one evaluation. The species, cell and pbc tensors are
+built once and reused while the atoms keep their elements and cell. Results are
+those of TorchANI's calculator: eV, eV/Å and eV/Å³.
+"""
+import typing as tp
+import warnings
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import ase
+import ase.units
+from ase.calculators.calculator import Calculator as _AseCalculator
+from ase.calculators.calculator import PropertyNotImplementedError, all_changes
+from ase.stress import full_3x3_to_voigt_6_stress
+
+from .models import _model_float
+
+__all__ = ["Calculator"]
+
+STRESS_KINDS = ("scaling", "fdotr", "numerical")
+
+
+class Calculator(_AseCalculator):
+    """ASE calculator that evaluates a TorchANI model once per geometry.
+
+    Parameters
+    ----------
+    model : torchani.arch.ANI or torch.jit.ScriptModule
+        An ANI model with ``periodic_table_index=True``, patched by
+        :func:`torchani_fast.patch` (unpatched models work too, at TorchANI's
+        speed). Scripted models work. Its dtype (float32 or float64) and device
+        (CPU or CUDA) are taken from its first parameter at construction.
+    overwrite : bool
+        As in TorchANI: wrap the positions of periodic systems into the cell and
+        write them back to the ``Atoms`` (image information is lost).
+    stress_kind : {"scaling", "fdotr", "numerical"}
+        How the stress of periodic systems is computed: "scaling" (default)
+        differentiates the energy with respect to a strain of the cell and
+        positions; "fdotr" sums pair-vector x pair-force over the neighbour
+        list; "numerical" uses central differences of the energy with respect to
+        strain (12 extra energy evaluations, with a step suited to the dtype).
+        "scaling" and "fdotr" come out of the same backward pass as the forces.
+    **kwargs
+        Passed to ``ase.calculators.calculator.Calculator`` (e.g. ``label``).
+
+    Attributes
+    ----------
+    evaluations : int
+        Number of model evaluations (forward + backward) run so far.
+
+    Notes
+    -----
+    Every evaluation computes ``energy``, ``free_energy`` (the same number),
+    ``forces`` and, when any axis is periodic, ``stress`` (Voigt order
+    xx, yy, zz, yz, xz, xy), whatever property was asked for. Stress of a
+    non-periodic system raises ``PropertyNotImplementedError``.
+    """
+
+    implemented_properties = ["energy", "free_energy", "forces", "stress"]
+
+    def __init__(self, model: torch.nn.Module, overwrite: bool = False,
+                 stress_kind: str = "scaling", **kwargs):
+        super().__init__(**kwargs)
+        if hasattr(model, "periodic_table_index") and not model.periodic_table_index:
+            raise ValueError(
+                "the ASE calculator needs a model with periodic_table_index=True "
+                "(species given as atomic numbers)"
+            )
+        if stress_kind not in STRESS_KINDS:
+            raise ValueError(f"stress_kind must be one of {STRESS_KINDS}, got {stress_kind!r}")
+        ref = _model_float(model)
+        self.model = model
+        self._device = ref.device
+        self._dtype = ref.dtype
+        self._overwrite = overwrite
+        self._stress_kind = stress_kind
+        numbers = getattr(model, "atomic_numbers", None)
+        self._supported = None if numbers is None else set(int(z) for z in numbers.tolist())
+        self.evaluations = 0
+        # Input tensors kept between calls: rebuilt only when what they encode changes.
+        self._numbers: tp.Optional[np.ndarray] = None
+        self._species: tp.Optional[Tensor] = None
+        self._elem_idxs: tp.Optional[Tensor] = None
+        self._cell_key: tp.Optional[tuple] = None
+        self._cell: tp.Optional[Tensor] = None
+        self._pbc: tp.Optional[Tensor] = None
+        self._volume = 0.0
+        self._eye: tp.Optional[Tensor] = None
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device, where the input tensors are built."""
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's floating-point dtype, in which positions are passed."""
+        return self._dtype
+
+    # ------------------------------------------------------------------ inputs
+    def _species_tensors(self, numbers: np.ndarray) -> tp.Tuple[Tensor, Tensor]:
+        if self._numbers is None or not np.array_equal(numbers, self._numbers):
+            if self._supported is not None:
+                bad = [int(z) for z in np.unique(numbers) if int(z) not in self._supported]
+                if bad:
+                    from ase.data import chemical_symbols
+
+                    names = ", ".join(chemical_symbols[z] for z in bad)
+                    known = ", ".join(chemical_symbols[z] for z in sorted(self._supported))
+                    raise ValueError(f"element(s) {names} not supported by this model (it covers {known})")
+            species = torch.tensor(numbers, dtype=torch.long, device=self._device).unsqueeze(0)
+            self._elem_idxs = self.model.species_converter(species)
+            self._species = species
+            self._numbers = numbers.copy()
+        return self._species, self._elem_idxs
+
+    def _cell_tensors(self, atoms: ase.Atoms) -> tp.Tuple[tp.Optional[Tensor], tp.Optional[Tensor]]:
+        pbc = atoms.pbc
+        cell = atoms.cell.array
+        key = (tuple(bool(p) for p in pbc), cell.tobytes())
+        if key != self._cell_key:
+            if pbc.any():
+                full = atoms.cell.complete().array
+                self._cell = torch.tensor(full, dtype=self._dtype, device=self._device)
+                self._pbc = torch.tensor(pbc, dtype=torch.bool, device=self._device)
+                self._volume = abs(float(np.linalg.det(full)))
+            else:
+                self._cell = self._pbc = None
+                self._volume = 0.0
+            self._cell_key = key
+        return self._cell, self._pbc
+
+    # ------------------------------------------------------------- calculation
+    def calculate(self, atoms: tp.Optional[ase.Atoms] = None,
+                  properties: tp.Sequence[str] = ("energy",),
+                  system_changes: tp.Sequence[str] = tuple(all_changes)) -> None:
+        """Evaluate the model once and store energy, forces and (periodic) stress.
+
+        Parameters
+        ----------
+        atoms : ase.Atoms, optional
+            The structure; by default the one last attached.
+        properties : sequence of str
+            What ASE asks for. Everything is computed anyway; only "stress" of
+            a non-periodic system is refused.
+        system_changes : sequence of str
+            What changed since the last call (ASE's bookkeeping).
+        """
+        super().calculate(atoms, properties, system_changes)
+        if self.atoms is None:
+            raise ValueError("the calculator is not attached to any Atoms")
+        species, elem_idxs = self._species_tensors(self.atoms.numbers)
+        cell, pbc = self._cell_tensors(self.atoms)
+        with_stress = cell is not None and self._volume > 0.0
+        if "stress" in properties and not with_stress:
+            raise PropertyNotImplementedError(
+                "stress needs a periodic cell of non-zero volume (set atoms.pbc and atoms.cell)"
+            )
+        coords = torch.tensor(self.atoms.positions, dtype=self._dtype, device=self._device).unsqueeze(0)
+        if self._overwrite and cell is not None:
+            from torchani.utils import map_to_central
+
+            warnings.warn("'overwrite' set, info about crossing PBC *will be lost*")
+            coords = map_to_central(coords, cell, pbc)
+            wrapped = coords[0].cpu().numpy().astype(np.float64)
+            self.atoms.set_positions(wrapped)
+            if atoms is not None:  # keep the caller's Atoms equal to the cached copy
+                atoms.set_positions(wrapped)
+        with torch.enable_grad():
+            energy, forces, virial = self._evaluate(species, elem_idxs, coords, cell, pbc)
+        self.evaluations += 1
+
+        n = coords.shape[1]
+        parts = [energy.detach().reshape(1), forces.reshape(-1)]
+        if with_stress:
+            parts.append((virial / self._volume).reshape(-1))
+        # One device -> host copy for all results.
+        flat = torch.cat(parts).cpu().numpy().astype(np.float64)
+        self.results["energy"] = float(flat[0])
+        self.results["free_energy"] = float(flat[0])
+        self.results["forces"] = flat[1:1 + 3 * n].reshape(n, 3)
+        if with_stress:
+            self.results["stress"] = full_3x3_to_voigt_6_stress(flat[1 + 3 * n:].reshape(3, 3))
+
+    def _evaluate(self, species: Tensor, elem_idxs: Tensor, coords: Tensor,
+                  cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor]):
+        """Energy (eV), forces (eV/Å) and virial (eV, or None) of one structure."""
+        model = self.model
+        coords.requires_grad_(True)
+        if cell is None:
+            energy = model((species, coords), cell=None, pbc=None).energies * ase.units.Hartree
+            (grad,) = torch.autograd.grad(energy.sum(), coords)
+            return energy, -grad[0], None
+
+        kind = self._stress_kind
+        inputs = [coords]
+        if kind == "scaling":
+            # E(x F, cell F) with F = I + sym(strain): dE/dstrain at 0 is the virial.
+            strain = coords.new_zeros((3, 3), requires_grad=True)
+            if self._eye is None or self._eye.dtype != coords.dtype:
+                self._eye = torch.eye(3, dtype=coords.dtype, device=coords.device)
+            deform = self._eye + 0.5 * (strain + strain.T)
+            x, c = coords @ deform, cell @ deform
+            inputs.append(strain)
+        else:
+            x, c = coords, cell
+        neighbors = model.neighborlist(model.cutoff, elem_idxs, x, c, pbc)
+        if kind == "fdotr":
+            from torchani.neighbors import Neighbors
+
+            diff = neighbors.diff_vectors
+            neighbors = Neighbors(neighbors.indices, diff.norm(2, -1), diff)
+            inputs.append(diff)
+        energy = model.compute_from_neighbors(elem_idxs, x, neighbors).energies * ase.units.Hartree
+        grads = torch.autograd.grad(energy.sum(), inputs)
+        if kind == "scaling":
+            virial = grads[1]
+        elif kind == "fdotr":
+            virial = grads[1].transpose(0, 1) @ diff.detach()
+        else:
+            virial = self._numerical_virial(elem_idxs, coords.detach(), cell, pbc)
+        return energy, -grads[0][0], virial
+
+    def _numerical_virial(self, elem_idxs: Tensor, coords: Tensor, cell: Tensor, pbc: Tensor) -> Tensor:
+        # Central differences of E(strain); the step balances truncation against
+        # the rounding of the energy (TorchANI's fixed 1e-6 gives zeros in float32).
+        eps = float(torch.finfo(coords.dtype).eps) ** (1.0 / 3.0)
+        model = self.model
+        virial = coords.new_zeros((3, 3))
+
+        def energy(deform: Tensor) -> Tensor:
+            x, c = coords @ deform, cell @ deform
+            nb = model.neighborlist(model.cutoff, elem_idxs, x, c, pbc)
+            return model.compute_from_neighbors(elem_idxs, x, nb).energies[0]
+
+        with torch.no_grad():
+            for i in range(3):
+                for j in range(i, 3):
+                    d = torch.zeros(3, 3, dtype=coords.dtype, device=coords.device)
+                    d[i, j] += 0.5 * eps
+                    d[j, i] += 0.5 * eps
+                    eye = torch.eye(3, dtype=coords.dtype, device=coords.device)
+                    v = (energy(eye + d) - energy(eye - d)) / (2 * eps)
+                    virial[i, j] = virial[j, i] = v
+        return virial * ase.units.Hartree
+

@@ -1,0 +1,545 @@
+"""The ``torchani-fast`` command: single points, geometry optimisation and MD.
+
+Subcommands (``torchani-fast SUBCOMMAND --help`` explains every option)::
+
+    torchani-fast energy FILE... [--forces] [--hessians] [-o out.json]
+    torchani-fast optimize FILE... [--fmax 0.01] [--optimizer BFGS] [-o optimized.xyz]
+    torchani-fast md FILE [--steps 1000] [--dt 0.5] [--temperature 300] [-o md.xyz]
+
+Any format ASE reads is accepted; extended XYZ ``Lattice=``/``pbc=`` (and the cell
+of any other periodic format) is honoured. Model weights are read by TorchANI
+from ``$TORCHANI_DATA_DIR/StateDicts`` (default ``~/.local/share/Torchani``);
+on machines without network access also set ``HF_HUB_OFFLINE=1``.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import typing as tp
+from pathlib import Path
+
+__all__ = ["main", "CLIError"]
+
+ENERGY_DOC = """\
+Single-point energies (and optionally forces) of every structure in the input
+files, written as JSON in the layout of TorchANI's `ani sp`:
+
+  {"energies": [E, ...],            # Hartree, one per structure
+   "forces":   [[[fx, fy, fz], ...], ...],   # Hartree/Å, with --forces
+   "hessians": [[[...]...]...],     # Hartree/Å², with --hessians
+   "structures": [{"file": ..., "frame": ..., "natoms": ...}, ...]}
+
+Structures appear in input order (file by file, frame by frame). Structures
+that share a cell (or have none) are evaluated together as padded batches of
+similar sizes (--batch-size).
+"""
+
+OPTIMIZE_DOC = """\
+Relax atomic positions (the cell is kept fixed) with an ASE optimizer until the
+largest force is below --fmax. Writes every optimised structure to one extended
+XYZ file (energy in eV and forces in eV/Å, plus the source file, frame, step
+count and convergence flag in each frame's comment line) and prints a summary
+table. Exit status 0 even if some structures did not converge (the table says
+so); 1 on errors.
+"""
+
+MD_DOC = """\
+Molecular dynamics of one structure: velocities are drawn from a
+Maxwell-Boltzmann distribution at --temperature (centre-of-mass motion removed,
+and rotation too for non-periodic systems), then integrated with velocity
+Verlet (nve) or Langevin dynamics (langevin, which also thermostats at
+--temperature). Every --interval steps a frame is appended to the extended XYZ
+trajectory (energy, forces, velocities via momenta) and a line to the log
+(time/ps, Etot/eV, Epot/eV, Ekin/eV, T/K).
+"""
+
+
+class CLIError(Exception):
+    """An error the command reports as one line on stderr (exit status 1)."""
+
+
+# ---------------------------------------------------------------- helpers
+def _progress(iterable=None, **kwargs):
+    from tqdm.auto import tqdm
+
+    kwargs.setdefault("file", sys.stderr)
+    kwargs.setdefault("dynamic_ncols", True)
+    return tqdm(iterable, **kwargs)
+
+
+_MODEL_NAMES = {"ani2x": "ANI2x", "ani1x": "ANI1x", "ani1ccx": "ANI1ccx"}
+_DTYPES = {"float32": "float32", "f32": "float32", "float": "float32",
+           "float64": "float64", "f64": "float64", "double": "float64"}
+_MODEL_CACHE: dict = {}
+
+
+def _model_name(text: str) -> str:
+    try:
+        return _MODEL_NAMES[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"unknown model {text!r}; choose one of {', '.join(_MODEL_NAMES.values())}"
+        ) from None
+
+
+def _dtype_name(text: str) -> str:
+    try:
+        return _DTYPES[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; use float32 or float64") from None
+
+
+def _load_model(name: str, device: tp.Optional[str], dtype: str):
+    """The patched model (loaded once per process and arguments)."""
+    import torch
+
+    from .models import MODELS
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {device}: CUDA is not available in this torch build or machine")
+    key = (name, device, dtype)
+    if key not in _MODEL_CACHE:
+        try:
+            _MODEL_CACHE[key] = MODELS[name](device=device, dtype=getattr(torch, dtype))
+        except Exception as exc:  # the weights are the usual culprit
+            data = os.environ.get("TORCHANI_DATA_DIR", "~/.local/share/Torchani (default)")
+            raise CLIError(
+                f"could not load {name} ({type(exc).__name__}: {exc}). TorchANI reads the "
+                f"weights from $TORCHANI_DATA_DIR/StateDicts (TORCHANI_DATA_DIR={data}); "
+                "offline, also set HF_HUB_OFFLINE=1"
+            ) from exc
+    return _MODEL_CACHE[key]
+
+
+def _read(path: Path, index: str) -> list:
+    """``[(frame, atoms)]`` for the frames of ``path`` that ``index`` selects.
+
+    ``index`` is ase.io.read's index string ("3", "-1", ":", "::10"); frame
+    numbers count from 0 in the file, so error messages can name them.
+    """
+    import ase.io
+    from ase.io.formats import string2index
+
+    if not path.exists():
+        raise CLIError(f"{path}: no such file")
+    try:
+        selection = string2index(index)
+    except ValueError:
+        raise CLIError(f"invalid frame index {index!r}; use e.g. 0, -1, : or ::10") from None
+    try:
+        frames = ase.io.read(str(path), index=":")
+    except Exception as exc:
+        raise CLIError(f"{path}: cannot be read by ASE ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(frames, list):
+        frames = [frames]
+    numbered = list(enumerate(frames))
+    if isinstance(selection, int):
+        if not -len(numbered) <= selection < len(numbered):
+            raise CLIError(f"{path}: has {len(numbered)} frame(s), no frame {selection}")
+        numbered = [numbered[selection]]
+    else:
+        numbered = numbered[selection]
+    if not numbered:
+        raise CLIError(f"{path}: no structures (frames {index!r} of {len(frames)})")
+    return numbered
+
+
+def _elements(name: str) -> tp.Tuple[str, ...]:
+    """The element symbols model ``name`` covers (known without loading it)."""
+    from torchani.utils import SYMBOLS_1X, SYMBOLS_2X
+
+    return tuple(SYMBOLS_2X) if name == "ANI2x" else tuple(SYMBOLS_1X)
+
+
+def _check_elements(name: str, path: Path, frame: int, numbers) -> None:
+    from ase.data import atomic_numbers, chemical_symbols
+
+    symbols = _elements(name)
+    supported = {atomic_numbers[s] for s in symbols}
+    for j, z in enumerate(numbers):
+        if int(z) not in supported:
+            raise CLIError(
+                f"{path}, frame {frame}: element {chemical_symbols[int(z)]} (atom {j + 1}) "
+                f"is not supported by {name}, which covers {' '.join(symbols)}"
+            )
+
+
+def _structures(paths: tp.Sequence[Path], index: str, name: str) -> list:
+    """[(path, frame, atoms)] for every selected frame of every file, checked.
+
+    Files are read and checked before the model is loaded, so bad input fails fast.
+    """
+    out = []
+    for path in paths:
+        for frame, atoms in _read(path, index):
+            if len(atoms) == 0:
+                raise CLIError(f"{path}, frame {frame}: no atoms")
+            _check_elements(name, path, frame, atoms.numbers)
+            out.append((path, frame, atoms))
+    return out
+
+
+# ---------------------------------------------------------------- energy
+def _batches(structures: list, batch_size: int, max_slots: int = 32768) -> tp.Iterator[list]:
+    """Indices of structures evaluated together in one padded model call.
+
+    Structures share a call when they have the same cell and pbc (one cell per
+    batch, as TorchANI takes it), whatever file they come from. Within a group
+    they are sorted by size so little padding is needed, and a batch holds at
+    most ``batch_size`` structures and ``max_slots`` padded atoms.
+    """
+    groups: dict = {}
+    for i, (_, _, atoms) in enumerate(structures):
+        key = (tuple(bool(p) for p in atoms.pbc),
+               atoms.cell.array.tobytes() if atoms.pbc.any() else b"")
+        groups.setdefault(key, []).append(i)
+    for idxs in groups.values():
+        idxs.sort(key=lambda i: len(structures[i][2]))
+        batch: list = []
+        for i in idxs:
+            size = len(structures[i][2])  # the largest so far, as sizes ascend
+            if batch and (len(batch) >= batch_size or (len(batch) + 1) * size > max_slots):
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+
+def _run_energy(args) -> int:
+    import torch
+
+    from .models import energies_forces, energies_forces_hessians
+
+    structures = _structures(args.files, args.index, args.model)
+    model = _load_model(args.model, args.device, args.dtype)
+    ref = next(model.parameters())
+    n = len(structures)
+    energies: list = [None] * n
+    forces: list = [None] * n
+    hessians: list = [None] * n
+    bar = _progress(total=n, desc="energy", unit="structure",
+                    disable=args.no_progress or n < 2)
+    try:
+        for idxs in _batches(structures, args.batch_size):
+            batch = [structures[i][2] for i in idxs]
+            natoms = [len(a) for a in batch]
+            amax = max(natoms)
+            species = torch.full((len(batch), amax), -1, dtype=torch.long)
+            coords = torch.zeros((len(batch), amax, 3), dtype=torch.float64)
+            for k, a in enumerate(batch):
+                species[k, :len(a)] = torch.from_numpy(a.numbers)
+                coords[k, :len(a)] = torch.from_numpy(a.positions)
+            species = species.to(ref.device)
+            first = batch[0]
+            cell = pbc = None
+            if first.pbc.any():
+                cell = torch.tensor(first.cell.complete().array, dtype=ref.dtype, device=ref.device)
+                pbc = torch.tensor(first.pbc, dtype=torch.bool, device=ref.device)
+            if args.hessians:
+                try:
+                    e, f, h = energies_forces_hessians(model, species, coords, cell, pbc)
+                except NotImplementedError as exc:
+                    raise CLIError(f"--hessians: {exc}") from exc
+            elif args.forces:
+                e, f = energies_forces(model, species, coords, cell, pbc)
+                h = None
+            else:  # energies only: no backward pass
+                with torch.no_grad():
+                    x = coords.to(device=ref.device, dtype=ref.dtype)
+                    e = model((species, x), cell=cell, pbc=pbc).energies
+                f = h = None
+            e = e.cpu().double()
+            f = None if f is None else f.cpu().double()
+            for k, i in enumerate(idxs):
+                a = natoms[k]
+                energies[i] = float(e[k])
+                if f is not None:
+                    forces[i] = f[k, :a].tolist()
+                if h is not None:
+                    hessians[i] = h[k, :3 * a, :3 * a].cpu().double().tolist()
+            bar.update(len(idxs))
+    finally:
+        bar.close()
+    output: dict = {"energies": energies}
+    if args.hessians:
+        output["hessians"] = hessians
+    if args.forces or args.hessians:
+        output["forces"] = forces
+    output["structures"] = [{"file": str(p), "frame": fr, "natoms": len(a)}
+                            for p, fr, a in structures]
+    text = json.dumps(output, indent=4 if args.output else None)
+    if args.output:
+        args.output.write_text(text + "\n")
+        print(f"{n} structure(s) -> {args.output}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
+# ---------------------------------------------------------------- optimize
+def _optimizer_class(name: str):
+    import ase.optimize
+
+    return {"BFGS": ase.optimize.BFGS, "LBFGS": ase.optimize.LBFGS, "FIRE": ase.optimize.FIRE}[name]
+
+
+def _frozen_copy(atoms, results: dict):
+    """A copy of ``atoms`` carrying ``results`` (what extended XYZ writes)."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    out = atoms.copy()
+    out.calc = SinglePointCalculator(out, **{k: results[k] for k in ("energy", "forces", "stress")
+                                             if k in results})
+    return out
+
+
+def _run_optimize(args) -> int:
+    import ase.io
+    import numpy as np
+
+    from .ase import Calculator
+
+    structures = _structures(args.files, args.index, args.model)
+    model = _load_model(args.model, args.device, args.dtype)
+    calc = Calculator(model)
+    opt_cls = _optimizer_class(args.optimizer)
+    rows, finals = [], []
+    outer = _progress(structures, desc="structures", unit="structure",
+                      disable=args.no_progress or len(structures) < 2)
+    for path, frame, atoms in outer:
+        atoms = atoms.copy()
+        atoms.calc = calc
+        e0 = atoms.get_potential_energy()
+        bar = _progress(total=args.steps, desc=f"{path.name}[{frame}]", unit="step",
+                        leave=False, disable=args.no_progress)
+
+        def tick():
+            if opt.nsteps == 0:  # ASE also calls observers before the first step
+                return
+            fmax = float(np.sqrt((atoms.get_forces() ** 2).sum(axis=1).max()))
+            bar.set_postfix(E=f"{atoms.get_potential_energy():.4f} eV", fmax=f"{fmax:.4f}", refresh=False)
+            bar.update(1)
+
+        opt = opt_cls(atoms, logfile=None)
+        opt.attach(tick, interval=1)
+        start = time.perf_counter()
+        try:
+            converged = bool(opt.run(fmax=args.fmax, steps=args.steps))
+        finally:
+            bar.close()
+        seconds = time.perf_counter() - start
+        e1 = atoms.get_potential_energy()
+        fmax = float(np.sqrt((atoms.get_forces() ** 2).sum(axis=1).max()))
+        final = _frozen_copy(atoms, calc.results)
+        # Keep real metadata but not the flags ASE makes of a plain XYZ comment line.
+        final.info = {k: v for k, v in final.info.items() if v is not True}
+        final.info.update(source=str(path), frame=frame, optimizer=args.optimizer,
+                          steps=opt.nsteps, converged=converged, fmax=fmax)
+        finals.append(final)
+        rows.append((str(path), frame, len(atoms), opt.nsteps, converged, e0, e1, fmax, seconds))
+    outer.close()
+    ase.io.write(str(args.output), finals, format="extxyz")
+    _print_table(rows, args)
+    return 0
+
+
+def _print_table(rows: list, args) -> None:
+    head = ("file", "frame", "atoms", "steps", "converged", "E_start/eV", "E_final/eV",
+            "dE/eV", "fmax/(eV/Å)", "time/s")
+    cells = [(f, str(fr), str(n), str(s), "yes" if c else "NO", f"{e0:.6f}", f"{e1:.6f}",
+              f"{e1 - e0:.6f}", f"{fm:.5f}", f"{sec:.2f}")
+             for f, fr, n, s, c, e0, e1, fm, sec in rows]
+    widths = [max(len(h), *(len(r[k]) for r in cells)) for k, h in enumerate(head)]
+    line = "  ".join(h.rjust(w) if k else h.ljust(w) for k, (h, w) in enumerate(zip(head, widths)))
+    print(line)
+    print("-" * len(line))
+    for r in cells:
+        print("  ".join(c.rjust(w) if k else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths))))
+    bad = sum(1 for r in rows if not r[4])
+    print(f"{len(rows) - bad}/{len(rows)} converged to fmax < {args.fmax} eV/Å with "
+          f"{args.optimizer} ({args.model}, {args.dtype}); structures in {args.output}")
+
+
+# ---------------------------------------------------------------- md
+def _run_md(args) -> int:
+    import ase.io
+    import ase.units as units
+    import numpy as np
+    from ase.md.langevin import Langevin
+    from ase.md.logger import MDLogger
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary, ZeroRotation
+    from ase.md.verlet import VelocityVerlet
+
+    from .ase import Calculator
+
+    ((_, frame, atoms),) = _structures([args.file], str(args.frame), args.model)
+    atoms = atoms.copy()
+    model = _load_model(args.model, args.device, args.dtype)
+    atoms.calc = Calculator(model)
+    rng = np.random.default_rng(args.seed)
+    if args.temperature > 0 and not args.keep_velocities:
+        MaxwellBoltzmannDistribution(atoms, temperature_K=args.temperature, rng=rng)
+        Stationary(atoms)
+        if not atoms.pbc.any():
+            ZeroRotation(atoms)
+    dt = args.dt * units.fs
+    if args.ensemble == "nve":
+        dyn = VelocityVerlet(atoms, dt)
+    else:
+        dyn = Langevin(atoms, dt, temperature_K=args.temperature,
+                       friction=args.friction / units.fs, rng=rng)
+    log_path = args.log if args.log is not None else args.output.with_suffix(".log")
+    logger = MDLogger(dyn, atoms, str(log_path), header=True, stress=False, peratom=False, mode="w")
+    traj = open(args.output, "w")
+    e_start = atoms.get_total_energy()
+
+    def write_frame():
+        ase.io.write(traj, _frozen_copy(atoms, atoms.calc.results), format="extxyz")
+        traj.flush()
+
+    dyn.attach(logger, interval=args.interval)
+    dyn.attach(write_frame, interval=args.interval)
+    bar = _progress(total=args.steps, desc="md", unit="step", disable=args.no_progress)
+
+    def tick():
+        if dyn.nsteps == 0:  # ASE also calls observers before the first step
+            return
+        bar.update(1)
+        if dyn.nsteps % max(1, args.interval) == 0:
+            bar.set_postfix(T=f"{atoms.get_temperature():.0f} K",
+                            Etot=f"{atoms.get_total_energy():.4f} eV", refresh=False)
+
+    dyn.attach(tick, interval=1)
+    start = time.perf_counter()
+    try:
+        dyn.run(args.steps)
+    finally:
+        bar.close()
+        traj.close()
+        logger.close() if hasattr(logger, "close") else None
+    seconds = time.perf_counter() - start
+    e_end = atoms.get_total_energy()
+    ns_day = args.steps * args.dt * 1e-6 / max(seconds, 1e-9) * 86400
+    print(f"{args.steps} {args.ensemble} steps of {args.dt} fs on {len(atoms)} atoms in {seconds:.1f} s "
+          f"({ns_day:.2f} ns/day); Etot {e_start:.6f} -> {e_end:.6f} eV "
+          f"(change {e_end - e_start:+.2e} eV), final T {atoms.get_temperature():.1f} K")
+    print(f"trajectory: {args.output}  log: {log_path}")
+    return 0
+
+
+# ---------------------------------------------------------------- parser
+def _common(p: argparse.ArgumentParser, default_dtype: str) -> None:
+    p.add_argument("-m", "--model", type=_model_name, default="ANI2x",
+                   help="ANI model: ANI2x (H C N O S F Cl, default), ANI1x or ANI1ccx (H C N O); "
+                        "case-insensitive. Weights are read from $TORCHANI_DATA_DIR/StateDicts")
+    p.add_argument("-d", "--device", default=None,
+                   help="torch device: cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("-t", "--dtype", type=_dtype_name, default=default_dtype,
+                   help=f"float32 (f32) or float64 (f64) (default: {default_dtype})")
+    p.add_argument("--no-progress", action="store_true", help="do not show progress bars (on stderr)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``torchani-fast`` argument parser (subcommands energy, optimize, md)."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="torchani-fast",
+        description="ANI energies, forces, geometry optimisation and molecular dynamics with "
+                    "torchani_fast's kernels. Reads any file ASE reads (periodic cells are "
+                    "honoured). Weights: $TORCHANI_DATA_DIR/StateDicts (TorchANI's data folder, "
+                    "default ~/.local/share/Torchani); offline, set HF_HUB_OFFLINE=1.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"torchani_fast {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{energy,optimize,md}")
+
+    p = sub.add_parser("energy", help="single-point energies (Ha), forces (Ha/Å) as JSON",
+                       description=ENERGY_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="structure file(s), any ASE format")
+    p.add_argument("-f", "--forces", action="store_true", help="also output forces -dE/dx in Hartree/Å")
+    p.add_argument("-s", "--hessians", action="store_true",
+                   help="also output Hessians d2E/dx2 in Hartree/Å² (3N x 3N per structure; implies "
+                        "--forces). Fails cleanly while second derivatives are not supported")
+    p.add_argument("-i", "--index", default=":",
+                   help="frames to read from each file, as ase.io.read's index (default ':' = all)")
+    p.add_argument("-b", "--batch-size", type=int, default=64,
+                   help="most structures per model call; structures with the same cell (or none) are batched, padded (default 64)")
+    p.add_argument("-o", "--output", type=Path, default=None,
+                   help="write the JSON here (default: print it to stdout)")
+    _common(p, "float32")
+    p.set_defaults(run=_run_energy)
+
+    p = sub.add_parser("optimize", help="relax geometries with BFGS, LBFGS or FIRE",
+                       description=OPTIMIZE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="structure file(s), any ASE format")
+    p.add_argument("--fmax", type=float, default=0.01,
+                   help="convergence: largest force on any atom, eV/Å (default 0.01)")
+    p.add_argument("--steps", type=int, default=1000, help="maximum optimiser steps per structure (default 1000)")
+    p.add_argument("--optimizer", type=str.upper, choices=["BFGS", "LBFGS", "FIRE"], default="BFGS",
+                   help="ASE optimiser (default BFGS)")
+    p.add_argument("-i", "--index", default=":",
+                   help="frames to optimise from each file, as ase.io.read's index (default ':' = all)")
+    p.add_argument("-o", "--output", type=Path, default=Path("optimized.xyz"),
+                   help="extended XYZ file for the optimised structures (default optimized.xyz)")
+    _common(p, "float64")
+    p.set_defaults(run=_run_optimize)
+
+    p = sub.add_parser("md", help="molecular dynamics (NVE or Langevin) with a trajectory and log",
+                       description=MD_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", type=Path, metavar="FILE", help="starting structure, any ASE format")
+    p.add_argument("--frame", type=int, default=-1,
+                   help="frame of FILE to start from (default -1, the last, as ase.io.read)")
+    p.add_argument("--steps", type=int, default=1000, help="number of MD steps (default 1000)")
+    p.add_argument("--dt", type=float, default=0.5, help="time step in fs (default 0.5)")
+    p.add_argument("--temperature", type=float, default=300.0,
+                   help="K: initial Maxwell-Boltzmann velocities and Langevin bath (default 300)")
+    p.add_argument("--ensemble", choices=["nve", "langevin"], default="nve",
+                   help="nve: velocity Verlet; langevin: NVT Langevin thermostat (default nve)")
+    p.add_argument("--friction", type=float, default=0.01,
+                   help="Langevin friction in 1/fs (default 0.01)")
+    p.add_argument("--keep-velocities", action="store_true",
+                   help="start from the velocities stored in FILE instead of drawing new ones")
+    p.add_argument("--seed", type=int, default=None, help="random seed for velocities and Langevin noise")
+    p.add_argument("--interval", type=int, default=10,
+                   help="write a trajectory frame and a log line every N steps (default 10)")
+    p.add_argument("-o", "--output", type=Path, default=Path("md.xyz"),
+                   help="extended XYZ trajectory (default md.xyz)")
+    p.add_argument("--log", type=Path, default=None,
+                   help="MD log file (default: the trajectory name with .log)")
+    _common(p, "float64")
+    p.set_defaults(run=_run_md)
+    return parser
+
+
+def main(argv: tp.Optional[tp.Sequence[str]] = None) -> int:
+    """Run ``torchani-fast`` with ``argv`` (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status: 0 on success, 1 on errors (reported on stderr as one
+        line naming the file, frame and element where relevant), 2 on bad
+        command-line usage.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "steps", "interval"):
+        if getattr(args, name, 1) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        return args.run(args)
+    except CLIError as exc:
+        print(f"torchani-fast {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"torchani-fast {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

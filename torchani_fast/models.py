@@ -1,0 +1,234 @@
+"""Ready-to-use patched ANI models and a safe energy/forces helper.
+
+>>> from torchani_fast.models import ANI2x
+>>> model = ANI2x(dtype=torch.float64)                  # a patched torchani ANI model
+>>> energies, forces = model.energies_forces(species, coords)   # Ha, Ha/Å
+
+The factories take the arguments of ``torchani.models`` and return the same
+TorchANI model object, patched by :func:`torchani_fast.patch`, so every TorchANI
+entry point (``forward``, ``atomic_energies``, ``energies_qbcs``, ``ase``,
+``torch.jit.script``...) keeps working. Weights are read by TorchANI from
+``$TORCHANI_DATA_DIR/StateDicts`` (set ``HF_HUB_OFFLINE=1`` on machines
+without network access).
+"""
+import typing as tp
+
+import torch
+from torch import Tensor
+
+from .patch import patch
+
+__all__ = ["ANI2x", "ANI1x", "ANI1ccx", "EnergiesForces", "EnergiesForcesHessians",
+           "energies_forces", "energies_forces_hessians", "MODELS"]
+
+# TorchANI's neighbour-list names -> torchani_fast's strategies. A patched model
+# always searches neighbours with torchani_fast's op; "adaptive" (TorchANI's
+# size-based switch) is what "auto" does.
+_NEIGHBORLISTS = {
+    "auto": "auto",
+    "adaptive": "auto",
+    "all_pairs": "all_pairs",
+    "cell_list": "cell_list",
+}
+
+
+class EnergiesForces(tp.NamedTuple):
+    """Energies (M,) in Hartree and forces (M, A, 3) in Hartree/Å, detached."""
+
+    energies: Tensor
+    forces: Tensor
+
+
+class EnergiesForcesHessians(tp.NamedTuple):
+    """Energies (M,), forces (M, A, 3) and Hessians (M, 3A, 3A), in Ha and Å, detached."""
+
+    energies: Tensor
+    forces: Tensor
+    hessians: Tensor
+
+
+def _build(name: str, model_index: tp.Optional[int], neighborlist: str, strategy: str,
+           periodic_table_index: bool, device, dtype) -> torch.nn.Module:
+    import torchani.models
+
+    if neighborlist not in _NEIGHBORLISTS:
+        raise ValueError(
+            f"neighborlist must be one of {sorted(_NEIGHBORLISTS)}, got {neighborlist!r} "
+            "(a patched model always uses torchani_fast's neighbour search)"
+        )
+    factory = getattr(torchani.models, name)
+    # TorchANI builds its own featurizer with strategy "pyaev"; patch() then
+    # replaces it, so the strategy only has to be a name TorchANI knows.
+    model = factory(model_index=model_index, neighborlist="all_pairs", strategy="pyaev",
+                    periodic_table_index=periodic_table_index, device=device, dtype=dtype)
+    model = patch(model, neighborlist=_NEIGHBORLISTS[neighborlist])
+    model.potentials["nnp"].aev_computer.set_strategy(strategy)  # validates the name
+    return model
+
+
+def ANI2x(model_index: tp.Optional[int] = None, neighborlist: str = "auto",
+          strategy: str = "pyaev", periodic_table_index: bool = True,
+          device: tp.Union[str, torch.device, None] = None,
+          dtype: tp.Optional[torch.dtype] = None) -> torch.nn.Module:
+    """The ANI-2x ensemble (elements H C N O S F Cl), patched by torchani_fast.
+
+    Parameters
+    ----------
+    model_index : int, optional
+        Use only member ``model_index`` (0-7) of the 8-network ensemble; by
+        default the whole ensemble (mean energy).
+    neighborlist : {"auto", "all_pairs", "cell_list", "adaptive"}
+        Neighbour search of the patched model; "auto" ("adaptive" is an alias)
+        uses all pairs for small molecules and a cell list for large ones.
+    strategy : str
+        Accepted for compatibility with ``torchani.models``; any TorchANI AEV
+        strategy name ("pyaev", "cuaev", "auto", ...) is valid and a patched
+        model always uses torchani_fast's kernels.
+    periodic_table_index : bool
+        If True (default), ``species`` are atomic numbers; if False, indices
+        into the model's element list (H=0, C=1, N=2, O=3, S=4, F=5, Cl=6).
+    device : str or torch.device, optional
+        Where the model lives ("cpu", "cuda", "cuda:1"); default CPU.
+    dtype : torch.dtype, optional
+        ``torch.float32`` (default, TorchANI's) or ``torch.float64``.
+
+    Returns
+    -------
+    torchani.arch.ANI
+        A TorchANI model, patched in place; see :func:`torchani_fast.patch`.
+        It also has ``model.ase()`` (a :class:`torchani_fast.ase.Calculator`)
+        and ``model.energies_forces(species, coords, cell=None, pbc=None)``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``neighborlist`` or ``strategy``.
+    """
+    return _build("ANI2x", model_index, neighborlist, strategy, periodic_table_index, device, dtype)
+
+
+def ANI1x(model_index: tp.Optional[int] = None, neighborlist: str = "auto",
+          strategy: str = "pyaev", periodic_table_index: bool = True,
+          device: tp.Union[str, torch.device, None] = None,
+          dtype: tp.Optional[torch.dtype] = None) -> torch.nn.Module:
+    """The ANI-1x ensemble (elements H C N O), patched by torchani_fast.
+
+    Parameters and return value are those of :func:`ANI2x`; with
+    ``periodic_table_index=False`` the element indices are H=0, C=1, N=2, O=3.
+    """
+    return _build("ANI1x", model_index, neighborlist, strategy, periodic_table_index, device, dtype)
+
+
+def ANI1ccx(model_index: tp.Optional[int] = None, neighborlist: str = "auto",
+            strategy: str = "pyaev", periodic_table_index: bool = True,
+            device: tp.Union[str, torch.device, None] = None,
+            dtype: tp.Optional[torch.dtype] = None) -> torch.nn.Module:
+    """The ANI-1ccx ensemble (elements H C N O, CCSD(T)*/CBS), patched by torchani_fast.
+
+    Parameters and return value are those of :func:`ANI2x`; with
+    ``periodic_table_index=False`` the element indices are H=0, C=1, N=2, O=3.
+    """
+    return _build("ANI1ccx", model_index, neighborlist, strategy, periodic_table_index, device, dtype)
+
+
+#: The model factories by name, as accepted by the ``torchani-fast --model`` option.
+MODELS: tp.Dict[str, tp.Callable[..., torch.nn.Module]] = {
+    "ANI2x": ANI2x, "ANI1x": ANI1x, "ANI1ccx": ANI1ccx,
+}
+
+
+def _model_float(model: torch.nn.Module) -> Tensor:
+    for t in model.parameters():
+        return t
+    for t in model.buffers():
+        if t.is_floating_point():
+            return t
+    raise ValueError("the model has no floating-point parameters or buffers to take a dtype from")
+
+
+def _prepare(model, coords: Tensor, cell, pbc):
+    ref = _model_float(model)
+    # A fresh leaf: detach() gives a new tensor object, so setting requires_grad
+    # on it never touches the caller's tensor; .to() is a no-op when the dtype
+    # and device already match.
+    x = coords.detach().to(device=ref.device, dtype=ref.dtype).requires_grad_(True)
+    if cell is not None:
+        cell = cell.detach().to(device=ref.device, dtype=ref.dtype)
+    if pbc is not None:
+        pbc = pbc.to(device=ref.device)
+    return x, cell, pbc
+
+
+def energies_forces(model: torch.nn.Module, species: Tensor, coords: Tensor,
+                    cell: tp.Optional[Tensor] = None,
+                    pbc: tp.Optional[Tensor] = None) -> EnergiesForces:
+    """Energies and forces of a batch, leaving the caller's tensors untouched.
+
+    Parameters
+    ----------
+    model : torchani.arch.ANI or torch.jit.ScriptModule
+        Any TorchANI ANI model, patched or not, eager or scripted.
+    species : Tensor
+        (M, A) long: atomic numbers (or element indices if the model has
+        ``periodic_table_index=False``); -1 marks padding atoms.
+    coords : Tensor
+        (M, A, 3) positions in Å, any float dtype and device: a detached copy
+        is moved to the model's dtype and device; ``coords.requires_grad`` is
+        left as it was.
+    cell : Tensor, optional
+        (3, 3) lattice vectors (rows) in Å, shared by the batch.
+    pbc : Tensor, optional
+        (3,) bool; ``None`` for no periodicity.
+
+    Returns
+    -------
+    EnergiesForces
+        ``energies`` (M,) in Hartree and ``forces`` (M, A, 3) = -dE/dx in
+        Hartree/Å, both detached, in the model's dtype and on its device.
+        Forces on padding atoms are 0.
+    """
+    x, cell, pbc = _prepare(model, coords, cell, pbc)
+    with torch.enable_grad():
+        energies = model((species.to(x.device), x), cell=cell, pbc=pbc).energies
+        (grad,) = torch.autograd.grad(energies.sum(), x)
+    return EnergiesForces(energies.detach(), -grad)
+
+
+def energies_forces_hessians(model: torch.nn.Module, species: Tensor, coords: Tensor,
+                             cell: tp.Optional[Tensor] = None,
+                             pbc: tp.Optional[Tensor] = None) -> EnergiesForcesHessians:
+    """Energies, forces and Hessians (second derivatives) of a batch.
+
+    Arguments are those of :func:`energies_forces`.
+
+    Returns
+    -------
+    EnergiesForcesHessians
+        ``energies`` (M,) in Ha, ``forces`` (M, A, 3) in Ha/Å and ``hessians``
+        (M, 3A, 3A) = d²E/dx² in Ha/Å², with rows and columns ordered
+        atom-major (x0, y0, z0, x1, ...), all detached.
+
+    Raises
+    ------
+    NotImplementedError
+        If the model's featurizer has no second derivatives yet (the message
+        of the underlying error is kept).
+    """
+    x, cell, pbc = _prepare(model, coords, cell, pbc)
+    m, a = x.shape[0], x.shape[1]
+    with torch.enable_grad():
+        energies = model((species.to(x.device), x), cell=cell, pbc=pbc).energies
+        (grad,) = torch.autograd.grad(energies.sum(), x, create_graph=True)
+        flat = grad.reshape(m, 3 * a)
+        hessians = x.new_zeros(m, 3 * a, 3 * a)
+        try:
+            # Molecules are independent, so one backward per Cartesian component
+            # gives that row of every molecule's Hessian at once.
+            for i in range(3 * a):
+                (row,) = torch.autograd.grad(flat[:, i].sum(), x, retain_graph=i < 3 * a - 1)
+                hessians[:, i] = row.reshape(m, 3 * a)
+        except RuntimeError as exc:
+            if "second derivative" in str(exc) or "double backward" in str(exc):
+                raise NotImplementedError(f"Hessians are not supported yet: {exc}") from exc
+            raise
+    return EnergiesForcesHessians(energies.detach(), -grad.detach(), hessians)

@@ -1,0 +1,189 @@
+// Helpers shared by the CPU AEV kernels: the half-edge layout, the constants in
+// the working dtype, the cutoff and the angular triple geometry.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "ops.h"
+
+namespace torchani_fast {
+namespace aev_cpu_detail {
+
+// Half edges grouped by their owning atom (compressed sparse rows).
+struct HalfEdges {
+  std::vector<int64_t> start;   // (N+1,) first half edge of each atom
+  std::vector<int64_t> pair;    // (E,) pair index
+  std::vector<int64_t> other;   // (E,) the neighbour atom
+  std::vector<int64_t> edge0;   // (P,) half edge owned by i0, or -1
+  std::vector<int64_t> edge1;   // (P,) half edge owned by i1, or -1
+};
+
+// Pairs that touch a padding atom or lie beyond the radial cutoff are dropped
+// here, so callers may pass any superset of the true neighbour list.
+template <typename scalar_t>
+HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int64_t* i0,
+                           const int64_t* i1, const scalar_t* diff, int64_t num_pairs,
+                           double cutoff) {
+  HalfEdges h;
+  h.start.assign(num_atoms + 1, 0);
+  h.edge0.assign(num_pairs, -1);
+  h.edge1.assign(num_pairs, -1);
+  const scalar_t cutoff_sq = static_cast<scalar_t>(cutoff * cutoff);
+  std::vector<char> keep(num_pairs, 0);
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const int64_t a = i0[p], b = i1[p];
+    // A negative index marks an unused slot of a fixed-capacity pair list.
+    if (a < 0 || b < 0) continue;
+    TORCH_CHECK(a < num_atoms && b < num_atoms, "torchani_fast::aev: pairs must index the ",
+                num_atoms, " flattened atoms, got pair ", p, " = (", a, ", ", b, ")");
+    if (species[a] < 0 || species[b] < 0) continue;
+    const scalar_t* d = diff + 3 * p;
+    const scalar_t r2 = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];
+    if (!(r2 <= cutoff_sq)) continue;
+    keep[p] = 1;
+    h.start[a + 1]++;
+    h.start[b + 1]++;
+  }
+  for (int64_t n = 0; n < num_atoms; ++n) h.start[n + 1] += h.start[n];
+  const int64_t num_edges = h.start[num_atoms];
+  h.pair.resize(num_edges);
+  h.other.resize(num_edges);
+  std::vector<int64_t> cursor(h.start.begin(), h.start.end() - 1);
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    if (!keep[p]) continue;
+    const int64_t a = i0[p], b = i1[p];
+    int64_t e = cursor[a]++;
+    h.pair[e] = p;
+    h.other[e] = b;
+    h.edge0[p] = e;
+    e = cursor[b]++;
+    h.pair[e] = p;
+    h.other[e] = a;
+    h.edge1[p] = e;
+  }
+  return h;
+}
+
+// Constants converted once per call to the working dtype.
+template <typename scalar_t>
+struct Consts {
+  int64_t S, R, A, Z, F, radial_len;
+  scalar_t rc_r, rc_a;
+  std::vector<scalar_t> eta_r, shf_r, eta_a, zeta, shf_a, cos_z, sin_z;
+
+  explicit Consts(const AEVParams& p) {
+    auto vec = [](const at::Tensor& t) {
+      auto c = t.to(at::kDouble).contiguous();
+      std::vector<scalar_t> out(c.numel());
+      for (int64_t i = 0; i < c.numel(); ++i)
+        out[i] = static_cast<scalar_t>(c.data_ptr<double>()[i]);
+      return out;
+    };
+    S = p.num_species;
+    shf_r = vec(p.radial_shifts);
+    R = static_cast<int64_t>(shf_r.size());
+    eta_r = vec(p.radial_eta);
+    if (eta_r.size() == 1) eta_r.assign(R, eta_r[0]);
+    shf_a = vec(p.angular_shifts);
+    A = static_cast<int64_t>(shf_a.size());
+    eta_a = vec(p.angular_eta);
+    if (eta_a.size() == 1) eta_a.assign(A, eta_a[0]);
+    auto sections = vec(p.angular_sections);
+    Z = static_cast<int64_t>(sections.size());
+    zeta = vec(p.angular_zeta);
+    if (zeta.size() == 1) zeta.assign(Z, zeta[0]);
+    for (auto s : sections) {
+      cos_z.push_back(std::cos(s));
+      sin_z.push_back(std::sin(s));
+    }
+    rc_r = static_cast<scalar_t>(p.radial_cutoff);
+    rc_a = static_cast<scalar_t>(p.angular_cutoff);
+    radial_len = S * R;
+    F = radial_len + S * (S + 1) / 2 * A * Z;
+  }
+  // Row-major upper-triangular index of the species pair (s1, s2), as torchani's triu_index.
+  int64_t pair_index(int64_t s1, int64_t s2) const {
+    if (s1 > s2) std::swap(s1, s2);
+    return s1 * S - s1 * (s1 - 1) / 2 + (s2 - s1);
+  }
+};
+
+template <typename scalar_t>
+inline scalar_t cutoff_cos(scalar_t r, scalar_t rc) {
+  return scalar_t(0.5) * std::cos(r * (scalar_t(M_PI) / rc)) + scalar_t(0.5);
+}
+template <typename scalar_t>
+inline scalar_t cutoff_cos_deriv(scalar_t r, scalar_t rc) {
+  return scalar_t(-0.5) * (scalar_t(M_PI) / rc) * std::sin(r * (scalar_t(M_PI) / rc));
+}
+
+// One neighbour of the centre atom: vector from the centre to it, its length,
+// its species and the half edge it came from.
+template <typename scalar_t>
+struct Neighbor {
+  scalar_t v[3];
+  scalar_t r;
+  int64_t species;
+  int64_t edge;
+};
+
+template <typename scalar_t>
+void gather_neighbors(const HalfEdges& h, int64_t center, const int64_t* species,
+                      const scalar_t* diff, std::vector<Neighbor<scalar_t>>& out) {
+  out.clear();
+  for (int64_t e = h.start[center]; e < h.start[center + 1]; ++e) {
+    const int64_t p = h.pair[e];
+    // diff = x[i0] - x[i1]: the vector from the centre to the neighbour is
+    // -diff when the centre is i0 and +diff when it is i1.
+    const scalar_t sign = (h.edge0[p] == e) ? scalar_t(-1) : scalar_t(1);
+    Neighbor<scalar_t> n;
+    for (int c = 0; c < 3; ++c) n.v[c] = sign * diff[3 * p + c];
+    n.r = std::sqrt(n.v[0] * n.v[0] + n.v[1] * n.v[1] + n.v[2] * n.v[2]);
+    n.species = species[h.other[e]];
+    n.edge = e;
+    out.push_back(n);
+  }
+}
+
+// The parts of one angular triple shared by forward and backward.
+template <typename scalar_t>
+struct Triple {
+  scalar_t cos_raw;   // v1.v2 / max(r1 r2, 1e-10)
+  scalar_t c;         // 0.95 * cos_raw, so |c| <= 0.95
+  scalar_t sin_c;     // sqrt(1 - c^2) = sin(acos(c))
+  scalar_t mean_r;    // (r1 + r2) / 2
+  bool clamped;       // r1 r2 < 1e-10
+};
+
+template <typename scalar_t>
+Triple<scalar_t> make_triple(const Neighbor<scalar_t>& n1, const Neighbor<scalar_t>& n2) {
+  Triple<scalar_t> t;
+  const scalar_t dot = n1.v[0] * n2.v[0] + n1.v[1] * n2.v[1] + n1.v[2] * n2.v[2];
+  const scalar_t den = n1.r * n2.r;
+  t.clamped = den < scalar_t(1e-10);
+  t.cos_raw = dot / (t.clamped ? scalar_t(1e-10) : den);
+  t.c = scalar_t(0.95) * t.cos_raw;
+  t.sin_c = std::sqrt(std::max(scalar_t(1) - t.c * t.c, scalar_t(0)));
+  t.mean_r = (n1.r + n2.r) / scalar_t(2);
+  return t;
+}
+
+inline int64_t aev_length(const AEVParams& p) {
+  const int64_t S = p.num_species;
+  return S * p.radial_shifts.numel() +
+         S * (S + 1) / 2 * p.angular_shifts.numel() * p.angular_sections.numel();
+}
+
+inline at::Tensor species_checked(const char* op, const at::Tensor& species, int64_t num_species) {
+  auto s = species.to(at::kLong).contiguous();
+  const int64_t* sp = s.data_ptr<int64_t>();
+  for (int64_t i = 0; i < s.numel(); ++i)
+    TORCH_CHECK(sp[i] >= -1 && sp[i] < num_species, op, ": species must be -1 (padding) or in [0, ",
+                num_species, "), got ", sp[i], " at flattened atom ", i);
+  return s;
+}
+
+}  // namespace aev_cpu_detail
+}  // namespace torchani_fast

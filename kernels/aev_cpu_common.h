@@ -1,5 +1,6 @@
-// Helpers shared by the CPU AEV kernels: the half-edge layout, the constants in
-// the working dtype, the cutoff and the angular triple geometry.
+// Helpers shared by the CPU AEV kernels (aev_cpu.cpp: forward and backward;
+// aev_double_backward_cpu.cpp: second derivatives): the half-edge layout, the
+// constants in the working dtype, the cutoff and the angular triple geometry.
 #pragma once
 
 #include <algorithm>
@@ -117,6 +118,12 @@ inline scalar_t cutoff_cos(scalar_t r, scalar_t rc) {
 template <typename scalar_t>
 inline scalar_t cutoff_cos_deriv(scalar_t r, scalar_t rc) {
   return scalar_t(-0.5) * (scalar_t(M_PI) / rc) * std::sin(r * (scalar_t(M_PI) / rc));
+}
+
+template <typename scalar_t>
+inline scalar_t cutoff_cos_deriv2(scalar_t r, scalar_t rc) {
+  const scalar_t w = scalar_t(M_PI) / rc;
+  return scalar_t(-0.5) * w * w * std::cos(r * w);
 }
 
 // One neighbour of the centre atom: vector from the centre to it, its length,

@@ -20,7 +20,9 @@
 //
 // Double backward (Hessians, force training) differentiates aev_backward with
 // respect to grad_aev and diff_vectors; aev_backward is an op of its own so that
-// this can be registered without touching the first derivative.
+// this can be registered without touching the first derivative:
+//   d/d grad_aev: grad_grad_diff (P,3) --- aev_jvp ---> (M,A,F)
+//   d/d diff:     grad_aev, grad_grad_diff --- aev_double_backward ---> (P,3)
 //
 // TorchANI conventions reproduced here (see torchani/aev/_terms.py):
 //   radial  term  0.25 * exp(-eta (r - Rs)^2) * fc(r)                   (the 0.25)
@@ -58,8 +60,24 @@ at::Tensor aev_backward_cpu(const at::Tensor& grad_aev, const at::Tensor& specie
                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
                             const AEVParams& p);
 
-// Autograd kernels (autograd.cpp): aev differentiates through aev_backward;
-// aev_backward refuses a further derivative until double backward exists.
+// Second derivatives (aev_double_backward_cpu.cpp), the two halves of
+// aev_backward's own backward:
+//   aev_jvp(t)                = J t, J = d aev / d diff: the derivative of
+//                               aev_backward w.r.t. grad_aev (force training);
+//   aev_double_backward(g, t) = d/d diff <t, aev_backward(g, diff)>
+//                             = (sum_f g_f d2 aev_f / d diff2) t (Hessians).
+// tangent has the shape of diff_vectors; directions on skipped pairs are ignored.
+at::Tensor aev_jvp_cpu(const at::Tensor& tangent, const at::Tensor& species,
+                       const at::Tensor& pairs, const at::Tensor& diff_vectors,
+                       const AEVParams& p);
+at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor& tangent,
+                                   const at::Tensor& species, const at::Tensor& pairs,
+                                   const at::Tensor& diff_vectors, const AEVParams& p);
+
+// Autograd kernels (autograd.cpp): aev differentiates through aev_backward,
+// aev_backward through aev_jvp and aev_double_backward; aev_jvp differentiates
+// again (through aev_backward and aev_double_backward); aev_double_backward only
+// w.r.t. its tangent (third derivatives of the AEV are not implemented).
 std::tuple<at::Tensor, at::Tensor> neighbor_pairs_autograd(
     const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
     const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list);
@@ -76,6 +94,20 @@ at::Tensor aev_backward_autograd(const at::Tensor& grad_aev, const at::Tensor& s
                                  const at::Tensor& angular_shifts,
                                  const at::Tensor& angular_sections, double radial_cutoff,
                                  double angular_cutoff, int64_t num_species);
+
+at::Tensor aev_jvp_autograd(const at::Tensor& tangent, const at::Tensor& species,
+                            const at::Tensor& pairs, const at::Tensor& diff_vectors,
+                            const at::Tensor& radial_eta, const at::Tensor& radial_shifts,
+                            const at::Tensor& angular_eta, const at::Tensor& angular_zeta,
+                            const at::Tensor& angular_shifts, const at::Tensor& angular_sections,
+                            double radial_cutoff, double angular_cutoff, int64_t num_species);
+at::Tensor aev_double_backward_autograd(
+    const at::Tensor& grad_aev, const at::Tensor& tangent, const at::Tensor& species,
+    const at::Tensor& pairs, const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
+    const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
+    const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
+    const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
+    int64_t num_species);
 
 // Argument checks shared by every backend (names the argument and the value).
 void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tensor& pairs,

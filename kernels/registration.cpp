@@ -36,6 +36,29 @@ at::Tensor aev_backward_cpu_op(const at::Tensor& grad_aev, const at::Tensor& spe
                                       rc_a, num_species));
 }
 
+at::Tensor aev_jvp_cpu_op(const at::Tensor& tangent, const at::Tensor& species,
+                          const at::Tensor& pairs, const at::Tensor& diff,
+                          const at::Tensor& r_eta, const at::Tensor& r_shifts,
+                          const at::Tensor& a_eta, const at::Tensor& a_zeta,
+                          const at::Tensor& a_shifts, const at::Tensor& a_sections, double rc_r,
+                          double rc_a, int64_t num_species) {
+  return aev_jvp_cpu(tangent, species, pairs, diff,
+                     make_params(r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections, rc_r, rc_a,
+                                 num_species));
+}
+
+at::Tensor aev_double_backward_cpu_op(const at::Tensor& grad_aev, const at::Tensor& tangent,
+                                      const at::Tensor& species, const at::Tensor& pairs,
+                                      const at::Tensor& diff, const at::Tensor& r_eta,
+                                      const at::Tensor& r_shifts, const at::Tensor& a_eta,
+                                      const at::Tensor& a_zeta, const at::Tensor& a_shifts,
+                                      const at::Tensor& a_sections, double rc_r, double rc_a,
+                                      int64_t num_species) {
+  return aev_double_backward_cpu(grad_aev, tangent, species, pairs, diff,
+                                 make_params(r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections,
+                                             rc_r, rc_a, num_species));
+}
+
 }  // namespace
 }  // namespace torchani_fast
 
@@ -50,18 +73,25 @@ TORCH_LIBRARY(torchani_fast, m) {
       "bool cell_list) -> (Tensor pairs, Tensor images)");
   m.def("aev(" TORCHANI_FAST_AEV_ARGS ") -> Tensor");
   m.def("aev_backward(Tensor grad_aev, " TORCHANI_FAST_AEV_ARGS ") -> Tensor");
+  m.def("aev_jvp(Tensor tangent, " TORCHANI_FAST_AEV_ARGS ") -> Tensor");
+  m.def("aev_double_backward(Tensor grad_aev, Tensor tangent, " TORCHANI_FAST_AEV_ARGS
+        ") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("neighbor_pairs", &torchani_fast::neighbor_pairs_cpu);
   m.impl("aev", &torchani_fast::aev_cpu);
   m.impl("aev_backward", &torchani_fast::aev_backward_cpu_op);
+  m.impl("aev_jvp", &torchani_fast::aev_jvp_cpu_op);
+  m.impl("aev_double_backward", &torchani_fast::aev_double_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
   m.impl("neighbor_pairs", &torchani_fast::neighbor_pairs_autograd);
   m.impl("aev", &torchani_fast::aev_autograd);
   m.impl("aev_backward", &torchani_fast::aev_backward_autograd);
+  m.impl("aev_jvp", &torchani_fast::aev_jvp_autograd);
+  m.impl("aev_double_backward", &torchani_fast::aev_double_backward_autograd);
 }
 
 // `from torchani_fast import _C` runs the static registrations above; the module

@@ -9,7 +9,7 @@ import typing as tp
 import torch
 from torch import Tensor
 
-__all__ = ["neighbor_pairs", "aev", "aev_backward"]
+__all__ = ["neighbor_pairs", "aev", "aev_backward", "aev_jvp", "aev_double_backward"]
 
 
 def neighbor_pairs(
@@ -99,6 +99,28 @@ def aev_backward(grad_aev: Tensor, *args: tp.Any) -> Tensor:
     return torch.ops.torchani_fast.aev_backward(grad_aev, *args)
 
 
+def aev_jvp(tangent: Tensor, *args: tp.Any) -> Tensor:
+    """Directional derivative of ``aev(*args)`` along ``tangent`` (P, 3) on ``diff_vectors``.
+
+    This is ``J @ tangent`` with ``J = d aev / d diff_vectors`` (shape of the
+    AEV): the derivative of ``aev_backward`` with respect to ``grad_aev``, which
+    force training needs. Differentiable with respect to ``tangent`` and
+    ``diff_vectors``.
+    """
+    return torch.ops.torchani_fast.aev_jvp(tangent, *args)
+
+
+def aev_double_backward(grad_aev: Tensor, tangent: Tensor, *args: tp.Any) -> Tensor:
+    """Gradient of ``sum(tangent * aev_backward(grad_aev, *args))`` w.r.t. ``diff_vectors``.
+
+    Equals ``(sum_f grad_aev_f * d2 aev_f / d diff_vectors2) @ tangent`` (P, 3):
+    the derivative of ``aev_backward`` with respect to ``diff_vectors``, which
+    Hessians need. Differentiable with respect to ``tangent`` only (further
+    derivatives would be third derivatives of the AEV).
+    """
+    return torch.ops.torchani_fast.aev_double_backward(grad_aev, tangent, *args)
+
+
 def _aev_length(radial_shifts: Tensor, angular_shifts: Tensor, angular_sections: Tensor,
                 num_species: int) -> int:
     s = num_species
@@ -129,4 +151,21 @@ def _aev_fake(species, pairs, diff_vectors, radial_eta, radial_shifts, angular_e
 @torch.library.register_fake("torchani_fast::aev_backward")
 def _aev_backward_fake(grad_aev, species, pairs, diff_vectors, *rest):
     torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
+    return torch.empty_like(diff_vectors)
+
+
+@torch.library.register_fake("torchani_fast::aev_jvp")
+def _aev_jvp_fake(tangent, species, pairs, diff_vectors, radial_eta, radial_shifts, angular_eta,
+                  angular_zeta, angular_shifts, angular_sections, radial_cutoff, angular_cutoff,
+                  num_species):
+    torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
+    torch._check(tangent.shape == diff_vectors.shape, lambda: "tangent must be (P, 3)")
+    length = _aev_length(radial_shifts, angular_shifts, angular_sections, num_species)
+    return diff_vectors.new_empty((*species.shape, length))
+
+
+@torch.library.register_fake("torchani_fast::aev_double_backward")
+def _aev_double_backward_fake(grad_aev, tangent, species, pairs, diff_vectors, *rest):
+    torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
+    torch._check(tangent.shape == diff_vectors.shape, lambda: "tangent must be (P, 3)")
     return torch.empty_like(diff_vectors)

@@ -1,0 +1,290 @@
+"""Second derivatives through the AEV op: Hessians, vibrational analysis, force training.
+
+TorchANI (same process, same weights) is the reference for every value; the
+ops themselves are checked with gradcheck/gradgradcheck in float64. Hessians
+against TorchANI use one network of the ensemble where the molecule is large
+(the network part is TorchANI's own code either way; the AEV part is ours).
+"""
+import copy
+
+import pytest
+import torch
+import torchani
+from torchani.grad import energies_and_forces, energies_forces_and_hessians, hessians
+
+import torchani_fast
+from torchani_fast import ops
+
+from conftest import atoms_to_tensors, read_molecule, reference_model
+
+F64 = torch.float64
+
+
+# --- the ops on tiny random systems ------------------------------------------------
+
+
+TINY_LEN = 2 * 4 + 3 * 2 * 2  # AEV length for tiny_consts
+
+
+def tiny_consts(dtype=F64):
+    """Few features (2 species, 4 radial, 2x2 angular) so numerical checks are quick.
+
+    Non-integer zeta and per-shift etas exercise the general formulas."""
+    t = lambda *v: torch.tensor(v, dtype=dtype)  # noqa: E731
+    return [t(4.0, 3.0, 5.0, 4.5), t(0.8, 1.4, 2.0, 2.6), t(3.0), t(5.5, 7.0), t(0.9, 1.7),
+            t(0.4, 2.0), 3.0, 2.6, 2]
+
+
+def tiny_periodic_system(dtype=F64, seed=0):
+    """5 atoms + 1 padding atom; all pairs, an atom paired with its own image and a
+    pair present twice through two different images (what a small cell gives)."""
+    g = torch.Generator().manual_seed(seed)
+    species = torch.tensor([[0, 1, 1, 0, 1, -1]])
+    x = torch.rand(6, 3, generator=g, dtype=dtype) * 2.2
+    i, j = torch.triu_indices(6, 6, 1)
+    diff = x[i] - x[j]
+    # Atom 0 with its own image, and the pair (1, 2) a second time through another image.
+    extra = torch.tensor([[2.5, 0.0, 0.0], [0.3, -1.9, 0.7]], dtype=dtype)
+    i = torch.cat([i, torch.tensor([0, 1])])
+    j = torch.cat([j, torch.tensor([0, 2])])
+    return species, torch.stack([i, j]), torch.cat([diff, extra])
+
+
+def test_gradgradcheck_aev_op_with_periodic_images():
+    species, pairs, diff = tiny_periodic_system()
+    consts = tiny_consts()
+    diff.requires_grad_(True)
+    f = lambda d: ops.aev(species, pairs, d, *consts)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (diff,))
+    # Random grad_outputs that require grad: checks both halves of aev_backward's
+    # backward (w.r.t. diff and w.r.t. grad_aev).
+    assert torch.autograd.gradgradcheck(f, (diff,))
+
+
+def test_gradcheck_second_derivative_ops():
+    species, pairs, diff = tiny_periodic_system(seed=1)
+    consts = tiny_consts()
+    g = torch.Generator().manual_seed(2)
+    tangent = torch.randn(diff.shape, generator=g, dtype=F64).requires_grad_(True)
+    grad_aev = torch.randn(*species.shape, TINY_LEN, generator=g, dtype=F64).requires_grad_(True)
+    diff = diff.requires_grad_(True)
+    # aev_jvp is differentiable in its tangent and in diff_vectors.
+    assert torch.autograd.gradcheck(lambda t, d: ops.aev_jvp(t, species, pairs, d, *consts),
+                                    (tangent, diff))
+    # aev_double_backward(g, t) = d/d diff <t, aev_backward(g, diff)> = H t: the
+    # central difference of aev_backward along t.
+    t, d, gr = tangent.detach(), diff.detach(), grad_aev.detach()
+    eps = 1e-6
+    expected = (ops.aev_backward(gr, species, pairs, d + eps * t, *consts)
+                - ops.aev_backward(gr, species, pairs, d - eps * t, *consts)) / (2 * eps)
+    got = ops.aev_double_backward(gr, t, species, pairs, d, *consts)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-7 * expected.abs().max().item())
+    assert torch.autograd.gradcheck(
+        lambda t: ops.aev_double_backward(grad_aev.detach(), t, species, pairs, diff.detach(),
+                                          *consts), (tangent,))
+    # Hessian symmetry: <s, H t> == <t, H s>.
+    s = torch.randn(diff.shape, generator=g, dtype=F64)
+    h = lambda v: ops.aev_double_backward(grad_aev.detach(), v, species, pairs,  # noqa: E731
+                                          diff.detach(), *consts)
+    torch.testing.assert_close((s * h(tangent.detach())).sum(), (tangent.detach() * h(s)).sum(),
+                               rtol=1e-12, atol=0)
+
+
+def test_float32_second_derivatives_close_to_float64():
+    species, pairs, diff = tiny_periodic_system(seed=3)
+    g = torch.Generator().manual_seed(4)
+    tangent = torch.randn(diff.shape, generator=g, dtype=F64)
+    grad_aev = torch.randn(*species.shape, TINY_LEN, generator=g, dtype=F64)
+    out = {}
+    for dt in (torch.float32, F64):
+        c = tiny_consts(dt)
+        jvp = ops.aev_jvp(tangent.to(dt), species, pairs, diff.to(dt), *c)
+        hvp = ops.aev_double_backward(grad_aev.to(dt), tangent.to(dt), species, pairs,
+                                      diff.to(dt), *c)
+        assert jvp.dtype == hvp.dtype == dt
+        out[dt] = (jvp, hvp)
+    for a, b in zip(out[torch.float32], out[F64]):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+
+
+def test_opcheck_second_derivative_ops():
+    consts64 = tiny_consts()
+    for dt in (torch.float32, F64):
+        species, pairs, diff = tiny_periodic_system(dt)
+        consts = [c.to(dt) if torch.is_tensor(c) else c for c in consts64]
+        tangent = torch.randn_like(diff).requires_grad_(True)
+        grad_aev = torch.randn(*species.shape, TINY_LEN, dtype=dt).requires_grad_(True)
+        diff.requires_grad_(True)
+        # aev_jvp: differentiable in tangent and diff_vectors.
+        torch.library.opcheck(torch.ops.torchani_fast.aev_jvp.default,
+                              (tangent, species, pairs, diff, *consts))
+        # aev_double_backward: in its tangent only (the rest are third derivatives).
+        torch.library.opcheck(torch.ops.torchani_fast.aev_double_backward.default,
+                              (grad_aev.detach(), tangent, species, pairs, diff.detach(), *consts))
+        if dt == F64:  # aev_backward is now differentiable in grad_aev and diff_vectors
+            torch.library.opcheck(torch.ops.torchani_fast.aev_backward.default,
+                                  (grad_aev, species, pairs, diff, *consts))
+
+
+def test_coincident_atoms_give_no_nan():
+    # Atoms 0 and 1 coincide (r = 0, and r1 r2 < 1e-10 in every triple with that pair).
+    species = torch.tensor([[0, 1, 0, 1]])
+    x = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.1, 0.2, 0.0], [0.1, 1.3, 0.4]],
+                     dtype=F64)
+    i, j = torch.triu_indices(4, 4, 1)
+    diff = x[i] - x[j]
+    consts = tiny_consts()
+    tangent = torch.ones_like(diff)
+    grad_aev = torch.ones(1, 4, TINY_LEN, dtype=F64)
+    for out in (ops.aev_jvp(tangent, species, torch.stack([i, j]), diff, *consts),
+                ops.aev_double_backward(grad_aev, tangent, species, torch.stack([i, j]), diff,
+                                        *consts)):
+        assert torch.isfinite(out).all()
+
+
+def test_third_derivative_is_refused_with_a_clear_message():
+    species, pairs, diff = tiny_periodic_system()
+    consts = tiny_consts()
+    diff.requires_grad_(True)
+    s = (ops.aev(species, pairs, diff, *consts) ** 2).sum()
+    (g,) = torch.autograd.grad(s, diff, create_graph=True)
+    (h,) = torch.autograd.grad(g[0, 0], diff, create_graph=True)
+    with pytest.raises(RuntimeError, match="third derivatives"):
+        torch.autograd.grad(h.sum(), diff)
+
+
+# --- through the neighbour list and the model ----------------------------------------
+
+
+def test_gradgradcheck_through_small_periodic_cell():
+    ref = reference_model("ANI2x", F64)
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    aevc = fast.potentials["nnp"].aev_computer
+    g = torch.Generator().manual_seed(5)
+    species = torch.tensor([[0, 1, 3, 0]])
+    coords = (torch.rand(1, 4, 3, generator=g, dtype=F64) * 3.0).requires_grad_(True)
+    # Cell edges well below the 5.1 Å cutoff: many images of every atom.
+    cell = (torch.eye(3, dtype=F64) * 3.3 + 0.3 * torch.rand(3, 3, generator=g, dtype=F64))
+    cell.requires_grad_(True)
+    pbc = torch.tensor([True, True, True])
+    w = torch.randn(aevc.out_dim, 3, generator=g, dtype=F64) * 0.1
+
+    def energy(x, c):  # a smooth nonlinear read-out, like a network
+        return torch.tanh(aevc(species, x, c, pbc) @ w).sum()
+
+    assert torch.autograd.gradgradcheck(energy, (coords, cell))
+
+
+def hessian_of(model, species, coords, cell=None, pbc=None):
+    x = coords.clone()
+    if cell is None:
+        return energies_forces_and_hessians(model, species, x)
+    # energies_forces_and_hessians takes no cell: the same two steps with one.
+    x.requires_grad_(True)
+    e, f = energies_and_forces(model, species, x, cell, pbc, retain_graph=True, create_graph=True)
+    return e, f, hessians(f, x)
+
+
+CASES = [
+    # (file, frames, one network (index) or the whole ensemble (None))
+    ("3lka_ligand.xyz", None, 0),
+    ("water-0.8nm.xyz", None, 0),
+    ("CH4-5.xyz", "0:3", None),  # a batch of conformers, 8-member ensemble
+]
+
+
+@pytest.mark.parametrize("name,frames,member", CASES)
+def test_hessians_match_torchani_float64(name, frames, member):
+    ref = reference_model("ANI2x", F64)
+    if member is not None:
+        ref = ref[member]
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    if frames is None:
+        species, coords, cell, pbc = atoms_to_tensors(read_molecule(name))
+    else:
+        mols = read_molecule(name, index=frames)
+        parts = [atoms_to_tensors(m) for m in mols]
+        species = torch.cat([p[0] for p in parts])
+        coords = torch.cat([p[1] for p in parts])
+        cell = pbc = None
+    e_ref, f_ref, h_ref = hessian_of(ref, species, coords, cell, pbc)
+    e, f, h = hessian_of(fast, species, coords, cell, pbc)
+    torch.testing.assert_close(e, e_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=1e-8)
+    torch.testing.assert_close(h, h.transpose(1, 2), rtol=0, atol=1e-10)
+
+
+def test_hessian_float32_close_to_torchani():
+    ref = reference_model("ANI2x", torch.float32)[0]
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    species, coords, _, _ = atoms_to_tensors(read_molecule("CH4-5.xyz", index=0), torch.float32)
+    _, _, h_ref = hessian_of(ref, species, coords)
+    _, _, h = hessian_of(fast, species, coords)
+    _, _, h64 = hessian_of(reference_model("ANI2x", F64)[0], species, coords.double())
+    assert h.dtype == torch.float32
+    scale = h64.abs().max().item()
+    # Both float32 Hessians are within float32 round-off of the float64 one.
+    err_ref = (h_ref.double() - h64).abs().max().item()
+    err = (h.double() - h64).abs().max().item()
+    assert err <= max(3 * err_ref, 1e-5 * scale), (err, err_ref, scale)
+
+
+def test_water_vibrational_frequencies_match_torchani():
+    from ase.build import molecule
+
+    ref = reference_model("ANI2x", F64)
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    species, coords, _, _ = atoms_to_tensors(molecule("H2O"))
+    masses = torchani.utils.atomic_numbers_to_masses(species)
+    out = []
+    for model in (ref, fast):
+        _, _, h = hessian_of(model, species, coords)
+        out.append(torchani.grad.vibrational_analysis(masses, h, mode_kind="mdn"))
+    vib_ref, vib = out
+    # The 3 vibrations (the largest wavenumbers), then every mode up to round-off
+    # (the 6 near-zero translations/rotations are square roots of round-off).
+    torch.testing.assert_close(vib.freqs[-3:], vib_ref.freqs[-3:], rtol=1e-9, atol=0)
+    torch.testing.assert_close(vib.freqs, vib_ref.freqs, rtol=0, atol=1e-2)
+    torch.testing.assert_close(vib.fconstants[-3:], vib_ref.fconstants[-3:], rtol=1e-8, atol=0)
+    torch.testing.assert_close(vib.rmasses[-3:], vib_ref.rmasses[-3:], rtol=1e-8, atol=0)
+    sign = torch.sign((vib.modes[-3:] * vib_ref.modes[-3:]).sum(dim=(1, 2))).view(-1, 1, 1)
+    torch.testing.assert_close(vib.modes[-3:] * sign, vib_ref.modes[-3:], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["3lka_ligand.xyz", "water-0.8nm.xyz"])
+def test_force_training_weight_gradients_match_torchani(name):
+    ref = reference_model("ANI2x", F64)[0]
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    species, coords, cell, pbc = atoms_to_tensors(read_molecule(name))
+    target = torch.randn(coords.shape, generator=torch.Generator().manual_seed(6), dtype=F64)
+    grads = []
+    for model in (ref, fast):
+        params = list(model.potentials["nnp"].neural_networks.parameters())
+        for p in params:
+            p.requires_grad_(True)  # shipped weights are frozen
+        x = coords.clone().requires_grad_(True)
+        e = model((species, x), cell=cell, pbc=pbc).energies
+        (g,) = torch.autograd.grad(e.sum(), x, create_graph=True)
+        loss = ((-g - target) ** 2).sum() + 0.1 * e.sum()  # force matching + energy term
+        grads.append(torch.autograd.grad(loss, params, allow_unused=True))
+    assert len(grads[0]) == len(grads[1]) > 0
+    used = 0
+    for a, b in zip(grads[1], grads[0]):
+        assert (a is None) == (b is None)  # networks of absent elements
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+            used += 1
+    assert used > 0
+
+
+def test_scripted_model_differentiates_twice(tmp_path):
+    ref = reference_model("ANI2x", F64)[0]
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    path = tmp_path / "model.pt"
+    torch.jit.save(torch.jit.script(fast), str(path))
+    loaded = torch.jit.load(str(path))
+    species, coords, _, _ = atoms_to_tensors(read_molecule("CH4-5.xyz", index=0))
+    _, _, h_ref = hessian_of(ref, species, coords)
+    _, _, h = hessian_of(loaded, species, coords)
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=1e-8)

@@ -299,4 +299,26 @@ at::Tensor aev_double_backward_autograd(
                                           angular_cutoff, num_species);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
+    const at::Tensor& grad_aev, const at::Tensor& species, const at::Tensor& pairs,
+    const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
+    const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
+    const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
+    const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
+    int64_t num_species) {
+  // Building blocks of whole Hessians, evaluated under no_grad: refuse rather
+  // than return outputs that would silently not differentiate.
+  TORCH_CHECK(!(at::GradMode::is_enabled() &&
+                (grad_aev.requires_grad() || diff_vectors.requires_grad())),
+              "torchani_fast::aev_local_derivatives is not differentiable: call it under "
+              "torch.no_grad() or with detached grad_aev and diff_vectors");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchani_fast::aev_local_derivatives", "")
+                       .typed<decltype(aev_local_derivatives_autograd)>();
+  return op.call(grad_aev, species, pairs, diff_vectors, radial_eta, radial_shifts, angular_eta,
+                 angular_zeta, angular_shifts, angular_sections, radial_cutoff, angular_cutoff,
+                 num_species);
+}
+
 }  // namespace torchani_fast

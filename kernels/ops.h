@@ -74,6 +74,16 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
                                    const at::Tensor& species, const at::Tensor& pairs,
                                    const at::Tensor& diff_vectors, const AEVParams& p);
 
+// Local derivatives for whole Hessians (torchani_fast/grad.py), not differentiable.
+// For each centre atom i, over the K "slots" of the atoms its AEV depends on
+// (slot 0 = i, then its distinct neighbours; K = the largest count):
+//   local_atoms (N, K) int64   flattened atom of each slot, -1 where unused;
+//   jacobian    (N, K, 3, F)   d aev_i / d x_slot;
+//   curvature   (N, K, 3, K, 3) sum_f grad_aev_if d2 aev_if / d x_slot d x_slot'.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
+    const at::Tensor& grad_aev, const at::Tensor& species, const at::Tensor& pairs,
+    const at::Tensor& diff_vectors, const AEVParams& p);
+
 // Autograd kernels (autograd.cpp): aev differentiates through aev_backward,
 // aev_backward through aev_jvp and aev_double_backward; aev_jvp differentiates
 // again (through aev_backward and aev_double_backward); aev_double_backward only
@@ -104,6 +114,14 @@ at::Tensor aev_jvp_autograd(const at::Tensor& tangent, const at::Tensor& species
 at::Tensor aev_double_backward_autograd(
     const at::Tensor& grad_aev, const at::Tensor& tangent, const at::Tensor& species,
     const at::Tensor& pairs, const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
+    const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
+    const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
+    const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
+    int64_t num_species);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
+    const at::Tensor& grad_aev, const at::Tensor& species, const at::Tensor& pairs,
+    const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
     const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
     const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
     const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,

@@ -59,6 +59,16 @@ at::Tensor aev_double_backward_cpu_op(const at::Tensor& grad_aev, const at::Tens
                                              rc_r, rc_a, num_species));
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu_op(
+    const at::Tensor& grad_aev, const at::Tensor& species, const at::Tensor& pairs,
+    const at::Tensor& diff, const at::Tensor& r_eta, const at::Tensor& r_shifts,
+    const at::Tensor& a_eta, const at::Tensor& a_zeta, const at::Tensor& a_shifts,
+    const at::Tensor& a_sections, double rc_r, double rc_a, int64_t num_species) {
+  return aev_local_derivatives_cpu(grad_aev, species, pairs, diff,
+                                   make_params(r_eta, r_shifts, a_eta, a_zeta, a_shifts,
+                                               a_sections, rc_r, rc_a, num_species));
+}
+
 }  // namespace
 }  // namespace torchani_fast
 
@@ -76,6 +86,8 @@ TORCH_LIBRARY(torchani_fast, m) {
   m.def("aev_jvp(Tensor tangent, " TORCHANI_FAST_AEV_ARGS ") -> Tensor");
   m.def("aev_double_backward(Tensor grad_aev, Tensor tangent, " TORCHANI_FAST_AEV_ARGS
         ") -> Tensor");
+  m.def("aev_local_derivatives(Tensor grad_aev, " TORCHANI_FAST_AEV_ARGS
+        ") -> (Tensor local_atoms, Tensor jacobian, Tensor curvature)");
 }
 
 TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
@@ -84,6 +96,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("aev_backward", &torchani_fast::aev_backward_cpu_op);
   m.impl("aev_jvp", &torchani_fast::aev_jvp_cpu_op);
   m.impl("aev_double_backward", &torchani_fast::aev_double_backward_cpu_op);
+  m.impl("aev_local_derivatives", &torchani_fast::aev_local_derivatives_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
@@ -92,6 +105,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
   m.impl("aev_backward", &torchani_fast::aev_backward_autograd);
   m.impl("aev_jvp", &torchani_fast::aev_jvp_autograd);
   m.impl("aev_double_backward", &torchani_fast::aev_double_backward_autograd);
+  m.impl("aev_local_derivatives", &torchani_fast::aev_local_derivatives_autograd);
 }
 
 // `from torchani_fast import _C` runs the static registrations above; the module

@@ -14,6 +14,8 @@ from torchani.grad import energies_and_forces, energies_forces_and_hessians, hes
 
 import torchani_fast
 from torchani_fast import ops
+from torchani_fast.grad import energies_forces_and_hessians as one_pass_hessians
+from torchani_fast.grad import hessians_supported
 
 from conftest import atoms_to_tensors, read_molecule, reference_model
 
@@ -208,11 +210,15 @@ def test_hessians_match_torchani_float64(name, frames, member):
         coords = torch.cat([p[1] for p in parts])
         cell = pbc = None
     e_ref, f_ref, h_ref = hessian_of(ref, species, coords, cell, pbc)
-    e, f, h = hessian_of(fast, species, coords, cell, pbc)
-    torch.testing.assert_close(e, e_ref, rtol=0, atol=1e-10)
-    torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-10)
-    torch.testing.assert_close(h, h_ref, rtol=0, atol=1e-8)
-    torch.testing.assert_close(h, h.transpose(1, 2), rtol=0, atol=1e-10)
+    # The patched model through torchani.grad (3N double-backward passes) and
+    # through torchani_fast.grad (one pass, no autograd for the Hessian).
+    assert hessians_supported(fast) is None
+    for e, f, h in (hessian_of(fast, species, coords, cell, pbc),
+                    one_pass_hessians(fast, species, coords, cell, pbc)):
+        torch.testing.assert_close(e, e_ref, rtol=0, atol=1e-10)
+        torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-10)
+        torch.testing.assert_close(h, h_ref, rtol=0, atol=1e-8)
+        torch.testing.assert_close(h, h.transpose(1, 2), rtol=0, atol=1e-10)
 
 
 def test_hessian_float32_close_to_torchani():
@@ -220,14 +226,14 @@ def test_hessian_float32_close_to_torchani():
     fast = torchani_fast.patch(copy.deepcopy(ref))
     species, coords, _, _ = atoms_to_tensors(read_molecule("CH4-5.xyz", index=0), torch.float32)
     _, _, h_ref = hessian_of(ref, species, coords)
-    _, _, h = hessian_of(fast, species, coords)
     _, _, h64 = hessian_of(reference_model("ANI2x", F64)[0], species, coords.double())
-    assert h.dtype == torch.float32
     scale = h64.abs().max().item()
-    # Both float32 Hessians are within float32 round-off of the float64 one.
     err_ref = (h_ref.double() - h64).abs().max().item()
-    err = (h.double() - h64).abs().max().item()
-    assert err <= max(3 * err_ref, 1e-5 * scale), (err, err_ref, scale)
+    for _, _, h in (hessian_of(fast, species, coords), one_pass_hessians(fast, species, coords)):
+        # Within float32 round-off of the float64 Hessian, like TorchANI's.
+        assert h.dtype == torch.float32
+        err = (h.double() - h64).abs().max().item()
+        assert err <= max(3 * err_ref, 1e-5 * scale), (err, err_ref, scale)
 
 
 def test_water_vibrational_frequencies_match_torchani():
@@ -288,3 +294,79 @@ def test_scripted_model_differentiates_twice(tmp_path):
     _, _, h_ref = hessian_of(ref, species, coords)
     _, _, h = hessian_of(loaded, species, coords)
     torch.testing.assert_close(h, h_ref, rtol=0, atol=1e-8)
+
+
+# --- torchani_fast.grad: one-pass Hessians ------------------------------------------
+
+
+def test_one_pass_padded_batch_and_active_members():
+    ref = reference_model("ANI2x", F64)
+    ref.set_active_members([1, 4, 6])
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    methane = atoms_to_tensors(read_molecule("CH4-5.xyz", index=2))
+    from ase.build import molecule
+
+    water = atoms_to_tensors(molecule("H2O"))
+    species = torch.full((2, 5), -1, dtype=torch.long)
+    coords = torch.zeros(2, 5, 3, dtype=F64)
+    species[0], coords[0] = methane[0][0], methane[1][0]
+    species[1, :3], coords[1, :3] = water[0][0], water[1][0]
+    e_ref, f_ref, h_ref = hessian_of(ref, species, coords)
+    e, f, h = one_pass_hessians(fast, species, coords)
+    torch.testing.assert_close(e, e_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=1e-8)
+    assert (h[1, 9:] == 0).all() and (h[1, :, 9:] == 0).all()  # padding atoms
+
+
+def test_one_pass_other_model_and_fallback():
+    from ase.build import molecule
+
+    species, coords, _, _ = atoms_to_tensors(molecule("CH3OH"))
+    ref = reference_model("ANI1x", F64)
+    _, _, h_ref = hessian_of(ref, species, coords)
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    _, _, h = one_pass_hessians(fast, species, coords)
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=1e-8)
+    # An unpatched model is not refused: it takes the autograd loop.
+    assert "not patched" in hessians_supported(ref)
+    _, _, h_loop = one_pass_hessians(ref, species, coords)
+    torch.testing.assert_close(h_loop, h_ref, rtol=0, atol=0)
+
+
+def test_local_derivatives_op():
+    # The op's Jacobian and curvature blocks against aev_jvp / aev_double_backward
+    # along every coordinate, on the tiny periodic system (self image, repeated pair).
+    species, pairs, diff = tiny_periodic_system(seed=7)
+    consts = tiny_consts()
+    n = species.numel()
+    g = torch.randn(1, n, TINY_LEN, generator=torch.Generator().manual_seed(8), dtype=F64)
+    local, jac, curv = ops.aev_local_derivatives(g, species, pairs, diff, *consts)
+    k = local.shape[1]
+    assert (local[:, 0] == torch.where(species[0] >= 0, torch.arange(n), -1)).all()
+    dense_j = torch.zeros(n, 3, n, TINY_LEN, dtype=F64)  # [atom, comp, centre, feature]
+    dense_h = torch.zeros(n, 3, n, 3, dtype=F64)
+    for i in range(n):
+        for a in range(k):
+            if local[i, a] < 0:
+                continue
+            dense_j[local[i, a], :, i] += jac[i, a]
+            for b in range(k):
+                if local[i, b] >= 0:
+                    dense_h[local[i, a], :, local[i, b]] += curv[i, a, :, b]
+    for atom in range(n):
+        for c in range(3):
+            t = torch.zeros_like(diff)
+            t[pairs[0] == atom, c] += 1
+            t[pairs[1] == atom, c] -= 1
+            jv = ops.aev_jvp(t, species, pairs, diff, *consts)[0]
+            torch.testing.assert_close(dense_j[atom, c], jv, rtol=0, atol=1e-12)
+            hv = ops.aev_double_backward(g, t, species, pairs, diff, *consts)
+            hx = torch.zeros(n, 3, dtype=F64).index_add_(0, pairs[0], hv).index_add_(0, pairs[1], -hv)
+            torch.testing.assert_close(dense_h[:, :, atom, c], hx, rtol=0, atol=1e-10)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        ops.aev_local_derivatives(g, species, pairs, diff.clone().requires_grad_(True), *consts)
+    for dt in (torch.float32, F64):
+        cs = [c.to(dt) if torch.is_tensor(c) else c for c in consts]
+        torch.library.opcheck(torch.ops.torchani_fast.aev_local_derivatives.default,
+                              (g.to(dt), species, pairs, diff.to(dt), *cs))

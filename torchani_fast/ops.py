@@ -9,7 +9,10 @@ import typing as tp
 import torch
 from torch import Tensor
 
-__all__ = ["neighbor_pairs", "aev", "aev_backward", "aev_jvp", "aev_double_backward"]
+__all__ = [
+    "neighbor_pairs", "aev", "aev_backward", "aev_jvp", "aev_double_backward",
+    "aev_local_derivatives",
+]
 
 
 def neighbor_pairs(
@@ -121,6 +124,24 @@ def aev_double_backward(grad_aev: Tensor, tangent: Tensor, *args: tp.Any) -> Ten
     return torch.ops.torchani_fast.aev_double_backward(grad_aev, tangent, *args)
 
 
+def aev_local_derivatives(grad_aev: Tensor, *args: tp.Any) -> tp.Tuple[Tensor, Tensor, Tensor]:
+    """Per-atom derivatives from which whole Hessians are assembled (not differentiable).
+
+    For each centre atom ``i`` (flattened), over the ``K`` slots of the atoms its
+    AEV depends on (slot 0 is ``i`` itself, then its distinct neighbours):
+
+    Returns
+    -------
+    local_atoms : Tensor, int64, (N, K)
+        Flattened atom index of each slot; -1 where unused.
+    jacobian : Tensor, (N, K, 3, F)
+        ``d aev_i / d x_slot``.
+    curvature : Tensor, (N, K, 3, K, 3)
+        ``sum_f grad_aev[i, f] * d2 aev_if / (d x_slot d x_slot')``.
+    """
+    return torch.ops.torchani_fast.aev_local_derivatives(grad_aev, *args)
+
+
 def _aev_length(radial_shifts: Tensor, angular_shifts: Tensor, angular_sections: Tensor,
                 num_species: int) -> int:
     s = num_species
@@ -169,3 +190,17 @@ def _aev_double_backward_fake(grad_aev, tangent, species, pairs, diff_vectors, *
     torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
     torch._check(tangent.shape == diff_vectors.shape, lambda: "tangent must be (P, 3)")
     return torch.empty_like(diff_vectors)
+
+
+@torch.library.register_fake("torchani_fast::aev_local_derivatives")
+def _aev_local_derivatives_fake(grad_aev, species, pairs, diff_vectors, radial_eta,
+                                radial_shifts, angular_eta, angular_zeta, angular_shifts,
+                                angular_sections, radial_cutoff, angular_cutoff, num_species):
+    torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
+    n = species.numel()
+    k = torch.library.get_ctx().new_dynamic_size(min=1)
+    length = _aev_length(radial_shifts, angular_shifts, angular_sections, num_species)
+    local_atoms = species.new_empty((n, k), dtype=torch.long)
+    jacobian = diff_vectors.new_empty((n, k, 3, length))
+    curvature = diff_vectors.new_empty((n, k, 3, k, 3))
+    return local_atoms, jacobian, curvature

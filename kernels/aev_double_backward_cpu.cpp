@@ -402,14 +402,16 @@ inline LocalSlots local_slots(const HalfEdges& h, const int64_t* species, int64_
 }
 
 // For every centre i, in the slots' coordinates x_s (v_e = x_nbr(e) - x_i + shift):
-//   jac[i, s, c, f]         = d aev_if / d x_{s,c}
+//   jac[i, s, c, f']        = d aev_if / d x_{s,c}, f = columns[f']
 //   curv[i, s, c, s', c']   = sum_f g_if d2 aev_if / d x_{s,c} d x_{s',c'}
 // An edge-space block B (edges e, e') lands on the slots (nbr, nbr') with +B,
 // (0, 0) with +B and (nbr, 0), (0, nbr') with -B.
 template <typename scalar_t>
 void local_kernel(const int64_t* species, const scalar_t* diff, const HalfEdges& h,
                   const Consts<scalar_t>& k, int64_t num_atoms, const scalar_t* grad_aev,
-                  const LocalSlots& ls, scalar_t* jac, scalar_t* curv) {
+                  const LocalSlots& ls, const std::vector<int64_t>& colmap, int64_t C,
+                  scalar_t* jac, scalar_t* curv) {
+  // colmap: AEV column -> column of jac, or -1 for columns not asked for.
   const int64_t K = ls.max_slots, F = k.F, K3 = 3 * K;
   at::parallel_for(0, num_atoms, 4, [&](int64_t begin, int64_t end) {
     std::vector<Neighbor<scalar_t>> nbrs, ang;
@@ -418,7 +420,7 @@ void local_kernel(const int64_t* species, const scalar_t* diff, const HalfEdges&
     for (int64_t i = begin; i < end; ++i) {
       if (species[i] < 0) continue;
       const scalar_t* grow = grad_aev + i * F;
-      scalar_t* J = jac + i * K3 * F;
+      scalar_t* J = jac + i * K3 * C;
       scalar_t* Hc = curv + i * K3 * K3;
       auto block = [&](int64_t sa, int64_t sb, const scalar_t (&B)[3][3]) {
         for (int c = 0; c < 3; ++c)
@@ -442,12 +444,14 @@ void local_kernel(const int64_t* species, const scalar_t* diff, const HalfEdges&
         for (int c = 0; c < 3; ++c) hv[c] = n.v[c] / n.r;
         const int64_t off = n.species * k.R;
         for (int64_t s = 0; s < k.R; ++s) {
+          const int64_t col = colmap[off + s];
+          if (col < 0) continue;
           const scalar_t x = n.r - k.shf_r[s];
           const scalar_t e = scalar_t(0.25) * std::exp(-k.eta_r[s] * x * x);
           const scalar_t dr = e * (dfc - scalar_t(2) * k.eta_r[s] * x * fc);
           for (int c = 0; c < 3; ++c) {
-            J[(3 * sl + c) * F + off + s] += dr * hv[c];
-            J[c * F + off + s] -= dr * hv[c];
+            J[(3 * sl + c) * C + col] += dr * hv[c];
+            J[c * C + col] -= dr * hv[c];
           }
         }
         scalar_t phi1, phi2;
@@ -486,14 +490,15 @@ void local_kernel(const int64_t* species, const scalar_t* diff, const HalfEdges&
             const scalar_t m_a = scalar_t(0.5) * w.df2[a] * fcc;
             const scalar_t r1_a = m_a + w.f2[a] * dc1, r2_a = m_a + w.f2[a] * dc2;
             for (int64_t z = 0; z < k.Z; ++z) {
-              const int64_t col = off + a * k.Z + z;
+              const int64_t col = colmap[off + a * k.Z + z];
+              if (col < 0) continue;
               const scalar_t cq = cq_a * w.df1[z], cr1 = r1_a * w.f1[z], cr2 = r2_a * w.f1[z];
               for (int c = 0; c < 3; ++c) {
                 const scalar_t v1 = cq * d.gq1[c] + cr1 * d.h1[c];
                 const scalar_t v2 = cq * d.gq2[c] + cr2 * d.h2[c];
-                J[(3 * s1 + c) * F + col] += v1;
-                J[(3 * s2 + c) * F + col] += v2;
-                J[c * F + col] -= v1 + v2;
+                J[(3 * s1 + c) * C + col] += v1;
+                J[(3 * s2 + c) * C + col] += v2;
+                J[c * C + col] -= v1 + v2;
               }
             }
           }
@@ -619,13 +624,29 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
-    const at::Tensor& grad_aev, const at::Tensor& species, const at::Tensor& pairs,
-    const at::Tensor& diff_vectors, const AEVParams& p) {
+    const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
+    const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p) {
   const char* op = "torchani_fast::aev_local_derivatives";
   check_aev_inputs(op, species, pairs, diff_vectors, p);
   TORCH_CHECK(grad_aev.numel() == species.numel() * aev_length(p), op,
               ": grad_aev must have shape species.shape + (", aev_length(p), ",), got ",
               grad_aev.sizes());
+  TORCH_CHECK(columns.dim() == 1 && (columns.scalar_type() == at::kLong ||
+                                     columns.scalar_type() == at::kInt),
+              op, ": columns must be a 1-D int64 tensor, got ", columns.scalar_type(), " ",
+              columns.sizes());
+  const int64_t C = columns.numel();
+  std::vector<int64_t> colmap(aev_length(p), -1);
+  {
+    auto cl = columns.to(at::kLong).contiguous();
+    const int64_t* cp = cl.data_ptr<int64_t>();
+    for (int64_t c = 0; c < C; ++c) {
+      TORCH_CHECK(cp[c] >= 0 && cp[c] < aev_length(p) && (c == 0 || cp[c] > cp[c - 1]), op,
+                  ": columns must be increasing AEV columns in [0, ", aev_length(p), "), got ",
+                  cp[c], " at position ", c);
+      colmap[cp[c]] = c;
+    }
+  }
   auto sp = species_checked(op, species, p.num_species);
   auto pr = pairs.to(at::kLong).contiguous();
   auto diff = diff_vectors.contiguous();
@@ -642,10 +663,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
     local_atoms = at::from_blob(const_cast<int64_t*>(ls.atom.data()), {N, K},
                                 at::TensorOptions().dtype(at::kLong))
                       .clone();
-    jac = at::zeros({N, K, 3, F}, diff.options());
+    jac = at::zeros({N, K, 3, C}, diff.options());
     curv = at::zeros({N, K, 3, K, 3}, diff.options());
     local_kernel(sp.data_ptr<int64_t>(), diff.data_ptr<scalar_t>(), h, k, N,
-                 g.data_ptr<scalar_t>(), ls, jac.data_ptr<scalar_t>(),
+                 g.data_ptr<scalar_t>(), ls, colmap, C, jac.data_ptr<scalar_t>(),
                  curv.data_ptr<scalar_t>());
   });
   return {local_atoms, jac, curv};

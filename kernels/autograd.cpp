@@ -300,8 +300,8 @@ at::Tensor aev_double_backward_autograd(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
-    const at::Tensor& grad_aev, const at::Tensor& species, const at::Tensor& pairs,
-    const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
+    const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
+    const at::Tensor& pairs, const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
     const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
     const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
     const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
@@ -316,9 +316,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchani_fast::aev_local_derivatives", "")
                        .typed<decltype(aev_local_derivatives_autograd)>();
-  return op.call(grad_aev, species, pairs, diff_vectors, radial_eta, radial_shifts, angular_eta,
-                 angular_zeta, angular_shifts, angular_sections, radial_cutoff, angular_cutoff,
-                 num_species);
+  return op.call(grad_aev, columns, species, pairs, diff_vectors, radial_eta, radial_shifts,
+                 angular_eta, angular_zeta, angular_shifts, angular_sections, radial_cutoff,
+                 angular_cutoff, num_species);
 }
 
 }  // namespace torchani_fast

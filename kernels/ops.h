@@ -78,11 +78,11 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
 // For each centre atom i, over the K "slots" of the atoms its AEV depends on
 // (slot 0 = i, then its distinct neighbours; K = the largest count):
 //   local_atoms (N, K) int64   flattened atom of each slot, -1 where unused;
-//   jacobian    (N, K, 3, F)   d aev_i / d x_slot;
+//   jacobian    (N, K, 3, C)   d aev_i / d x_slot, AEV columns `columns` (increasing);
 //   curvature   (N, K, 3, K, 3) sum_f grad_aev_if d2 aev_if / d x_slot d x_slot'.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
-    const at::Tensor& grad_aev, const at::Tensor& species, const at::Tensor& pairs,
-    const at::Tensor& diff_vectors, const AEVParams& p);
+    const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
+    const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p);
 
 // Autograd kernels (autograd.cpp): aev differentiates through aev_backward,
 // aev_backward through aev_jvp and aev_double_backward; aev_jvp differentiates
@@ -120,8 +120,8 @@ at::Tensor aev_double_backward_autograd(
     int64_t num_species);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
-    const at::Tensor& grad_aev, const at::Tensor& species, const at::Tensor& pairs,
-    const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
+    const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
+    const at::Tensor& pairs, const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
     const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
     const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
     const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,

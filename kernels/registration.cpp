@@ -60,11 +60,12 @@ at::Tensor aev_double_backward_cpu_op(const at::Tensor& grad_aev, const at::Tens
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu_op(
-    const at::Tensor& grad_aev, const at::Tensor& species, const at::Tensor& pairs,
-    const at::Tensor& diff, const at::Tensor& r_eta, const at::Tensor& r_shifts,
+    const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
+    const at::Tensor& pairs, const at::Tensor& diff, const at::Tensor& r_eta,
+    const at::Tensor& r_shifts,
     const at::Tensor& a_eta, const at::Tensor& a_zeta, const at::Tensor& a_shifts,
     const at::Tensor& a_sections, double rc_r, double rc_a, int64_t num_species) {
-  return aev_local_derivatives_cpu(grad_aev, species, pairs, diff,
+  return aev_local_derivatives_cpu(grad_aev, columns, species, pairs, diff,
                                    make_params(r_eta, r_shifts, a_eta, a_zeta, a_shifts,
                                                a_sections, rc_r, rc_a, num_species));
 }
@@ -86,7 +87,7 @@ TORCH_LIBRARY(torchani_fast, m) {
   m.def("aev_jvp(Tensor tangent, " TORCHANI_FAST_AEV_ARGS ") -> Tensor");
   m.def("aev_double_backward(Tensor grad_aev, Tensor tangent, " TORCHANI_FAST_AEV_ARGS
         ") -> Tensor");
-  m.def("aev_local_derivatives(Tensor grad_aev, " TORCHANI_FAST_AEV_ARGS
+  m.def("aev_local_derivatives(Tensor grad_aev, Tensor columns, " TORCHANI_FAST_AEV_ARGS
         ") -> (Tensor local_atoms, Tensor jacobian, Tensor curvature)");
 }
 

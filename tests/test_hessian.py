@@ -341,7 +341,11 @@ def test_local_derivatives_op():
     consts = tiny_consts()
     n = species.numel()
     g = torch.randn(1, n, TINY_LEN, generator=torch.Generator().manual_seed(8), dtype=F64)
-    local, jac, curv = ops.aev_local_derivatives(g, species, pairs, diff, *consts)
+    every = torch.arange(TINY_LEN)
+    local, jac, curv = ops.aev_local_derivatives(g, every, species, pairs, diff, *consts)
+    some = torch.tensor([1, 2, 9, 15, 19])  # a column subset gives those columns
+    _, jac_some, curv_some = ops.aev_local_derivatives(g, some, species, pairs, diff, *consts)
+    assert torch.equal(jac_some, jac[..., some]) and torch.equal(curv_some, curv)
     k = local.shape[1]
     assert (local[:, 0] == torch.where(species[0] >= 0, torch.arange(n), -1)).all()
     dense_j = torch.zeros(n, 3, n, TINY_LEN, dtype=F64)  # [atom, comp, centre, feature]
@@ -365,8 +369,9 @@ def test_local_derivatives_op():
             hx = torch.zeros(n, 3, dtype=F64).index_add_(0, pairs[0], hv).index_add_(0, pairs[1], -hv)
             torch.testing.assert_close(dense_h[:, :, atom, c], hx, rtol=0, atol=1e-10)
     with pytest.raises(RuntimeError, match="not differentiable"):
-        ops.aev_local_derivatives(g, species, pairs, diff.clone().requires_grad_(True), *consts)
+        ops.aev_local_derivatives(g, every, species, pairs, diff.clone().requires_grad_(True),
+                                  *consts)
     for dt in (torch.float32, F64):
         cs = [c.to(dt) if torch.is_tensor(c) else c for c in consts]
         torch.library.opcheck(torch.ops.torchani_fast.aev_local_derivatives.default,
-                              (g.to(dt), species, pairs, diff.to(dt), *cs))
+                              (g.to(dt), some, species, pairs, diff.to(dt), *cs))

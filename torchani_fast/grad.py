@@ -194,76 +194,153 @@ def _hessians(model, species, coords, cell, pbc) -> Tensor:
     n_total, feats = aev.shape
     cols = _present_columns(aevc, flat)
 
-    # Pass 1: forward and backward of every network, for dE/daev (the curvature
-    # of the AEV needs it) and the per-layer quantities reused by pass 2.
-    grad_aev = aev.new_zeros(n_total, feats)
-    groups = []
+    # Pass 1: forward and backward of every network (the members of one element
+    # stacked), for dE/daev, which the AEV curvature needs, and the per-layer
+    # quantities that pass 2 reuses.
+    grad_aev = aev.new_zeros(n_total, cols.numel())
+    species_work = []
     for s in range(aevc.num_species):
         idx = (flat == s).nonzero().view(-1)
         if idx.numel() == 0:
             continue
         a_s = aev.index_select(0, idx).index_select(1, cols)
-        per_member = []
-        g_s = aev.new_zeros(idx.numel(), feats)
-        for mlps in members:
-            mlp = mlps[s]
-            w1 = mlp.weights[0]
-            zs, d1s, d2s = [], [], []
-            z = a_s @ w1.index_select(1, cols).t()
-            if mlp.biases[0] is not None:
-                z = z + mlp.biases[0]
-            for w, b in zip(mlp.weights[1:], mlp.biases[1:]):
-                act, d1, d2 = _activation_derivs(mlp.activation, z)
-                zs.append(z)
-                d1s.append(d1)
-                d2s.append(d2)
-                z = act @ w.t()
-                if b is not None:
-                    z = z + b
-            # Backward: delta_l = dE/d(activation l); curvature weights delta_l * act''.
-            delta = mlp.weights[-1].expand(idx.numel(), -1)
-            curv_w = [None] * len(zs)
-            for layer in range(len(zs) - 1, -1, -1):
-                curv_w[layer] = delta * d2s[layer]
-                dz = delta * d1s[layer]
-                delta = dz @ mlp.weights[layer]
-            g_s += delta  # dz_0 @ W_1: the gradient w.r.t. the whole AEV row
-            per_member.append((mlp, d1s, curv_w))
-        grad_aev.index_add_(0, idx, g_s)
-        groups.append((idx, per_member))
+        stacks = []
+        for st in _stacked_members([mlps[s] for mlps in members], cols):
+            grad_s, d1s, curv_w = _network_pass(st, a_s)
+            grad_aev.index_add_(0, idx, grad_s)
+            stacks.append((st, d1s, curv_w))
+        species_work.append((idx, stacks))
     grad_aev /= divisor
+    # dE/daev on the present columns is all the AEV curvature reads: the other
+    # columns belong to elements absent from every atom's environment.
+    grad_full = aev.new_zeros(n_total, feats)
+    grad_full.index_copy_(1, cols, grad_aev)
 
     local_atoms, jac, curv = ops.aev_local_derivatives(
-        grad_aev.view(mols, atoms, feats), elem, pairs, diff, *consts)
-    k3 = 3 * local_atoms.shape[1]
-    h_local = curv.reshape(n_total, k3, k3)
+        grad_full.view(mols, atoms, feats), cols, elem, pairs, diff, *consts)
+    kmax = local_atoms.shape[1]
+    hess = coords.new_zeros(mols * (3 * atoms) ** 2)
+    all_atoms = torch.arange(n_total, device=coords.device)
+    _scatter(hess, curv.view(n_total, 3 * kmax, 3 * kmax), all_atoms, local_atoms, atoms)
 
-    # Pass 2: the network term, sum_l T_l^T diag(delta_l act''(z_l)) T_l per atom.
+    # Pass 2: the network term, sum_l T_l^T diag(delta_l act''(z_l)) T_l per atom,
+    # T_l = dz_l/dx over the atom's slots. Atoms are bucketed by their number of
+    # slots so that little of the (3K)^2 work is padding.
+    n_slots = (local_atoms >= 0).sum(1)
     scale = 1.0 / divisor
-    for idx, per_member in groups:
-        j_s = jac.index_select(0, idx).index_select(3, cols).reshape(idx.numel(), k3, -1)
-        h_s = h_local.new_zeros(idx.numel(), k3, k3)
-        for mlp, d1s, curv_w in per_member:
-            t = j_s @ mlp.weights[0].index_select(1, cols).t()  # (n, 3K, width_1)
-            for layer, w in enumerate(mlp.weights[1:]):
-                h_s.baddbmm_(t * curv_w[layer].unsqueeze(1), t.transpose(1, 2))
-                if layer + 1 < len(curv_w):
-                    t = (t * d1s[layer].unsqueeze(1)) @ w.t()
-        h_local.index_add_(0, idx, h_s, alpha=scale)
+    for idx, stacks in species_work:
+        for rows, k in _buckets(n_slots.index_select(0, idx)):
+            sel = idx.index_select(0, rows)
+            j = jac[:, :k].index_select(0, sel)  # (n, k, 3, C)
+            h = coords.new_zeros(sel.numel(), 3 * k, 3 * k)
+            for st, d1s, curv_w in stacks:
+                _network_curvature(h, st, j, rows, d1s, curv_w)
+            _scatter(hess, h.mul_(scale), sel, local_atoms, atoms)
+    return hess.view(mols, 3 * atoms, 3 * atoms)
 
-    # Scatter the per-atom blocks into (M, 3A, 3A); unused slots are masked out.
-    slot_ok = local_atoms >= 0
-    mol = torch.arange(n_total, device=coords.device).div(atoms, rounding_mode="floor")
-    comp = torch.arange(3, device=coords.device)
-    row = (3 * (local_atoms % atoms)).unsqueeze(-1) + comp  # (N, K, 3)
-    row = row.reshape(n_total, k3)
-    ok = slot_ok.repeat_interleave(3, dim=1)  # (N, 3K)
+
+class _Stack(tp.NamedTuple):
+    """Members with the same architecture for one element, stacked."""
+
+    w0: Tensor  # (C, M * w1): the first layer on the present AEV columns, transposed
+    weights: tp.List[Tensor]  # layers 2..L, (M, out, in)
+    biases: tp.List[tp.Optional[Tensor]]  # layers 1..L, (M, out)
+    activation: torch.nn.Module
+
+
+def _stacked_members(mlps: tp.List[_Mlp], cols: Tensor) -> tp.List[_Stack]:
+    groups: tp.Dict[tp.Any, tp.List[_Mlp]] = {}
+    for mlp in mlps:
+        key = (tuple(tuple(w.shape) for w in mlp.weights),
+               tuple(b is None for b in mlp.biases), type(mlp.activation),
+               repr(mlp.activation))
+        groups.setdefault(key, []).append(mlp)
+    out = []
+    for group in groups.values():
+        w0 = torch.cat([m.weights[0].t().index_select(0, cols) for m in group], dim=1)
+        weights = [torch.stack([m.weights[i] for m in group])
+                   for i in range(1, len(group[0].weights))]
+        biases = [None if group[0].biases[i] is None else torch.stack([m.biases[i] for m in group])
+                  for i in range(len(group[0].biases))]
+        out.append(_Stack(w0, weights, biases, group[0].activation))
+    return out
+
+
+def _network_pass(st: _Stack, a: Tensor):
+    """Forward and backward of the stacked members; ``a`` (n, C) are the present
+    AEV columns.
+
+    Returns the gradient w.r.t. those columns summed over the members (n, C),
+    and act'(z_l), delta_l act''(z_l) of every hidden layer (M, n, w_l)."""
+    members = st.weights[0].shape[0]
+    n = a.shape[0]
+    z = (a @ st.w0).view(n, members, -1).transpose(0, 1)  # (M, n, w1)
+    if st.biases[0] is not None:
+        z = z + st.biases[0].unsqueeze(1)
+    d1s, d2s = [], []
+    for w, b in zip(st.weights, st.biases[1:]):
+        act, d1, d2 = _activation_derivs(st.activation, z)
+        d1s.append(d1)
+        d2s.append(d2)
+        z = torch.bmm(act, w.transpose(1, 2))
+        if b is not None:
+            z = z + b.unsqueeze(1)
+    # Backward: delta_l = dE/d(activation l); curvature weights delta_l * act''.
+    delta = st.weights[-1].expand(-1, n, -1)  # (M, n, w_last)
+    curv_w = [delta] * len(d1s)
+    for layer in range(len(d1s) - 1, -1, -1):
+        curv_w[layer] = delta * d2s[layer]
+        dz = delta * d1s[layer]
+        if layer > 0:
+            delta = torch.bmm(dz, st.weights[layer - 1])
+    grad = dz.transpose(0, 1).reshape(n, -1) @ st.w0.t()  # sum over members of dz_1 W_1
+    return grad, d1s, curv_w
+
+
+def _network_curvature(h: Tensor, st: _Stack, j: Tensor, rows: Tensor, d1s, curv_w) -> None:
+    """h (n, 3K, 3K) += sum over members and hidden layers of T^T diag(curv_w) T.
+
+    ``j`` (n, K, 3, C) is d aev / dx over the slots and the present AEV columns;
+    ``rows`` picks the atoms' entries in d1s/curv_w."""
+    n, k3 = j.shape[0], 3 * j.shape[1]
+    members = st.weights[0].shape[0]
+    t = (j.reshape(n * k3, -1) @ st.w0).view(n, k3, members, -1)  # T_1
+    for layer in range(len(curv_w)):
+        cw = curv_w[layer].index_select(1, rows).transpose(0, 1).unsqueeze(1)  # (n, 1, M, w)
+        flat_t = t.reshape(n, k3, -1)
+        h.baddbmm_((t * cw).reshape(n, k3, -1), flat_t.transpose(1, 2))
+        if layer + 1 < len(curv_w):
+            d1 = d1s[layer].index_select(1, rows).transpose(0, 1).unsqueeze(1)
+            t = torch.einsum("nkmw,mvw->nkmv", t * d1, st.weights[layer])
+
+
+def _buckets(n_slots: Tensor, waste: float = 0.8) -> tp.List[tp.Tuple[Tensor, int]]:
+    """Groups of rows (indices into n_slots) with similar slot counts, and each
+    group's largest count."""
+    counts, order = torch.sort(n_slots, descending=True)
+    counts = counts.tolist()
+    out, begin = [], 0
+    for i in range(1, len(counts) + 1):
+        if i == len(counts) or counts[i] < waste * counts[begin]:
+            out.append((order[begin:i], int(counts[begin])))
+            begin = i
+    return out
+
+
+def _scatter(hess: Tensor, blocks: Tensor, centers: Tensor, local_atoms: Tensor,
+             atoms: int) -> None:
+    """hess (M * 3A * 3A) += blocks (n, 3K, 3K) of the atoms ``centers`` over
+    their first K slots; unused slots are masked out."""
+    k = blocks.shape[1] // 3
+    local = local_atoms.index_select(0, centers)[:, :k]
+    comp = torch.arange(3, device=hess.device)
+    row = ((3 * (local % atoms)).unsqueeze(-1) + comp).reshape(centers.numel(), 3 * k)
+    ok = (local >= 0).repeat_interleave(3, dim=1)
     n3 = 3 * atoms
-    flat_idx = (mol.view(-1, 1, 1) * n3 * n3 + row.unsqueeze(2) * n3 + row.unsqueeze(1))
+    mol = centers.div(atoms, rounding_mode="floor")
+    flat_idx = mol.view(-1, 1, 1) * n3 * n3 + row.unsqueeze(2) * n3 + row.unsqueeze(1)
     mask = ok.unsqueeze(2) & ok.unsqueeze(1)
-    hess = coords.new_zeros(mols * n3 * n3)
-    hess.index_add_(0, flat_idx[mask], h_local[mask])
-    return hess.view(mols, n3, n3)
+    hess.index_add_(0, flat_idx[mask], blocks[mask])
 
 
 def _present_columns(aevc: AEVComputer, flat: Tensor) -> Tensor:

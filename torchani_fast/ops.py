@@ -124,22 +124,25 @@ def aev_double_backward(grad_aev: Tensor, tangent: Tensor, *args: tp.Any) -> Ten
     return torch.ops.torchani_fast.aev_double_backward(grad_aev, tangent, *args)
 
 
-def aev_local_derivatives(grad_aev: Tensor, *args: tp.Any) -> tp.Tuple[Tensor, Tensor, Tensor]:
+def aev_local_derivatives(grad_aev: Tensor, columns: Tensor,
+                          *args: tp.Any) -> tp.Tuple[Tensor, Tensor, Tensor]:
     """Per-atom derivatives from which whole Hessians are assembled (not differentiable).
 
     For each centre atom ``i`` (flattened), over the ``K`` slots of the atoms its
-    AEV depends on (slot 0 is ``i`` itself, then its distinct neighbours):
+    AEV depends on (slot 0 is ``i`` itself, then its distinct neighbours).
+    ``grad_aev`` has the AEV's shape; ``columns`` (int64, increasing) are the AEV
+    columns the Jacobian keeps; ``args`` are :func:`aev`'s arguments.
 
     Returns
     -------
     local_atoms : Tensor, int64, (N, K)
         Flattened atom index of each slot; -1 where unused.
-    jacobian : Tensor, (N, K, 3, F)
-        ``d aev_i / d x_slot``.
+    jacobian : Tensor, (N, K, 3, len(columns))
+        ``d aev_i[columns] / d x_slot``.
     curvature : Tensor, (N, K, 3, K, 3)
         ``sum_f grad_aev[i, f] * d2 aev_if / (d x_slot d x_slot')``.
     """
-    return torch.ops.torchani_fast.aev_local_derivatives(grad_aev, *args)
+    return torch.ops.torchani_fast.aev_local_derivatives(grad_aev, columns, *args)
 
 
 def _aev_length(radial_shifts: Tensor, angular_shifts: Tensor, angular_sections: Tensor,
@@ -193,14 +196,12 @@ def _aev_double_backward_fake(grad_aev, tangent, species, pairs, diff_vectors, *
 
 
 @torch.library.register_fake("torchani_fast::aev_local_derivatives")
-def _aev_local_derivatives_fake(grad_aev, species, pairs, diff_vectors, radial_eta,
-                                radial_shifts, angular_eta, angular_zeta, angular_shifts,
-                                angular_sections, radial_cutoff, angular_cutoff, num_species):
+def _aev_local_derivatives_fake(grad_aev, columns, species, pairs, diff_vectors, *rest):
     torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
+    torch._check(columns.dim() == 1, lambda: "columns must be 1-D")
     n = species.numel()
     k = torch.library.get_ctx().new_dynamic_size(min=1)
-    length = _aev_length(radial_shifts, angular_shifts, angular_sections, num_species)
     local_atoms = species.new_empty((n, k), dtype=torch.long)
-    jacobian = diff_vectors.new_empty((n, k, 3, length))
+    jacobian = diff_vectors.new_empty((n, k, 3, columns.shape[0]))
     curvature = diff_vectors.new_empty((n, k, 3, k, 3))
     return local_atoms, jacobian, curvature

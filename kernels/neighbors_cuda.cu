@@ -310,6 +310,12 @@ __device__ __forceinline__ bool pair_less(int64_t ja, const scalar_t* ia, int64_
   return false;
 }
 
+__device__ __forceinline__ bool key_less(const int64_t* a, const int64_t* b) {
+  for (int k = 0; k < 4; ++k)
+    if (a[k] != b[k]) return a[k] < b[k];
+  return false;
+}
+
 template <typename scalar_t>
 __global__ void write_kernel(int64_t N, int64_t A, int64_t bins_per_mol,
                              const int64_t* __restrict__ bin_of, const Grid* __restrict__ grids,
@@ -331,18 +337,39 @@ __global__ void write_kernel(int64_t N, int64_t A, int64_t bins_per_mol,
       const int64_t first = pair_start[i];
       if (first >= capacity) continue;
       const int64_t last = imin(pair_start[i + 1], capacity);
+      if (last < pair_start[i + 1]) {
+        // The one atom cut by an overflow keeps its smallest pairs in (j,
+        // image) order, found by repeated selection (k passes over its tens of
+        // partners), so the cut does not depend on the order of the bins.
+        int64_t prev[4] = {-1, INT64_MIN, INT64_MIN, INT64_MIN};
+        for (int64_t slot = first; slot < last; ++slot) {
+          int64_t best[4] = {INT64_MAX, 0, 0, 0};
+          for_each_partner(i, A, bins_per_mol, bin_of, grids, bin_start, bin_atoms, wrapped,
+                           cutoff_sq, [&](int64_t j, const int64_t* img) {
+                             int64_t cand[4] = {j, 0, 0, 0};
+                             for (int a = 0; a < 3; ++a)
+                               cand[1 + a] = shift[3 * j + a] - shift[3 * i + a] - img[a];
+                             if (key_less(prev, cand) && key_less(cand, best))
+                               for (int a = 0; a < 4; ++a) best[a] = cand[a];
+                           });
+          pairs[slot] = i;
+          pairs[capacity + slot] = best[0];
+          for (int a = 0; a < 3; ++a) images[3 * slot + a] = static_cast<scalar_t>(best[1 + a]);
+          for (int a = 0; a < 4; ++a) prev[a] = best[a];
+        }
+        continue;
+      }
       int64_t slot = first;
       for_each_partner(i, A, bins_per_mol, bin_of, grids, bin_start, bin_atoms, wrapped, cutoff_sq,
                        [&](int64_t j, const int64_t* img) {
-                         if (slot < last) {
-                           pairs[slot] = i;
-                           pairs[capacity + slot] = j;
-                           // x'[i] - (x'[j] + img @ C) with x' = x - shift @ C gives
-                           // x[i] - x[j] + (shift[j] - shift[i] - img) @ C.
-                           for (int a = 0; a < 3; ++a)
-                             images[3 * slot + a] = static_cast<scalar_t>(
-                                 shift[3 * j + a] - shift[3 * i + a] - img[a]);
-                         }
+                         if (slot >= last) return;  // cannot happen: same walk as count_kernel
+                         pairs[slot] = i;
+                         pairs[capacity + slot] = j;
+                         // x'[i] - (x'[j] + img @ C) with x' = x - shift @ C gives
+                         // x[i] - x[j] + (shift[j] - shift[i] - img) @ C.
+                         for (int a = 0; a < 3; ++a)
+                           images[3 * slot + a] = static_cast<scalar_t>(
+                               shift[3 * j + a] - shift[3 * i + a] - img[a]);
                          ++slot;
                        });
       // Insertion sort of this atom's few slots (tens: the neighbours within
@@ -495,8 +522,10 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cuda(const at::Tensor& species
   }
   if (flags & kErrNonFinite) {
     const int64_t i = s.N - h[2];
-    TORCH_CHECK(false, op, ": coords must be finite, got ", coords[i / s.A][i % s.A].detach().cpu(),
-                " for atom ", i % s.A, " of molecule ", i / s.A);
+    const auto x = coords[i / s.A][i % s.A].detach().to(at::kCPU, at::kDouble).contiguous();
+    const double* v = x.data_ptr<double>();
+    TORCH_CHECK(false, op, ": coords must be finite, got (", v[0], ", ", v[1], ", ", v[2],
+                ") for atom ", i % s.A, " of molecule ", i / s.A);
   }
   auto pairs = at::empty({2, total}, s.species.options());
   auto images = at::empty({total, 3}, s.coords.options());

@@ -39,8 +39,6 @@ constexpr int kThreads = 128;
 // err[2] = bits of the cell determinant.
 constexpr int64_t kErrNonFinite = 1;
 constexpr int64_t kErrSingular = 2;
-// Bins along one axis are capped so that their product cannot overflow.
-constexpr int64_t kMaxBinsPerAxis = int64_t(1) << 20;
 
 struct Axis {
   int64_t nb;     // number of bins
@@ -123,10 +121,13 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
       double f = x[0] * inv[a] + x[1] * inv[3 + a] + x[2] * inv[6 + a];
       int64_t k = 0;
       if (periodic[a]) {
-        const double fk = floor(f);
-        k = isfinite(fk) ? static_cast<int64_t>(fk) : 0;
+        double fk = floor(f);
         f -= fk;
-        if (f >= 1.0) f = 0.0;  // f = -1e-17 rounds up to 1
+        if (f >= 1.0) {  // f = -1e-17 gives 1 - 1e-17, which rounds to 1
+          f = 0.0;
+          fk += 1.0;  // the shift must stay the translation actually removed
+        }
+        k = isfinite(fk) ? static_cast<int64_t>(fk) : 0;
       }
       shift[3 * i + a] = k;
       frac[3 * i + a] = f;
@@ -160,27 +161,25 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
     if (n == 0 || singular) {
       for (int a = 0; a < 3; ++a) grid.axis[a] = Axis{1, 0, 0.0, 1.0, 0};
     } else {
-      int64_t nbins = 1;
+      // Keep the grid no larger than a few bins per atom (sparse or elongated
+      // systems); counted in double so that no product can overflow.
+      const double max_bins = 4.0 * static_cast<double>(n) + 27.0;
+      double nb[3];
       for (int a = 0; a < 3; ++a) {
         Axis& ax = grid.axis[a];
         ax.periodic = periodic[a];
         const double extent = ax.periodic ? 1.0 : red_hi[a][0] - red_lo[a][0];
         ax.lo = ax.periodic ? 0.0 : red_lo[a][0];
-        const double q = floor(extent / span[a]);
-        ax.nb = 1;
-        if (cell_list && q >= 1.0)
-          ax.nb = q < static_cast<double>(kMaxBinsPerAxis) ? static_cast<int64_t>(q) : kMaxBinsPerAxis;
-        nbins *= ax.nb;
+        nb[a] = cell_list ? fmax(1.0, fmin(floor(extent / span[a]), max_bins)) : 1.0;
+        if (!(nb[a] >= 1.0)) nb[a] = 1.0;  // NaN
       }
-      // Keep the grid no larger than a few bins per atom (sparse or elongated systems).
-      while (nbins > 4 * n + 27) {
+      while (nb[0] * nb[1] * nb[2] > max_bins) {
         int big = 0;
         for (int a = 1; a < 3; ++a)
-          if (grid.axis[a].nb > grid.axis[big].nb) big = a;
-        nbins /= grid.axis[big].nb;
-        grid.axis[big].nb = (grid.axis[big].nb + 1) / 2;
-        nbins *= grid.axis[big].nb;
+          if (nb[a] > nb[big]) big = a;
+        nb[big] = ceil(nb[big] / 2.0);
       }
+      for (int a = 0; a < 3; ++a) grid.axis[a].nb = static_cast<int64_t>(nb[a]);
       for (int a = 0; a < 3; ++a) {
         Axis& ax = grid.axis[a];
         const double extent = ax.periodic ? 1.0 : red_hi[a][0] - red_lo[a][0];

@@ -36,8 +36,9 @@ def ani2x_random(seed=0):
     asm.set_atomic_networks(ctor="ani2x")
     asm.set_neighborlist("all_pairs")
     asm.set_gsaes_as_self_energies("wb97x-631gd")
-    torch.manual_seed(seed)
-    model = asm.assemble(8)
+    with torch.random.fork_rng():  # leave the global RNG of other tests alone
+        torch.manual_seed(seed)
+        model = asm.assemble(8)
     model.requires_grad_(False)
     return model.to(torch.float64)
 
@@ -124,6 +125,11 @@ def systems():
     cell[1, 0] = 0.3 * cell[0, 0]
     cell[2, 1] = -0.2 * cell[1, 1]
     out["triclinic_xy"] = (elem_idxs(z), x + 2.0, cell, torch.tensor([True, True, False]))
+    # An atom a hair below a cell face (its wrapped coordinate rounds to 1).
+    z, x, cell, pbc = water_box(8, seed=5)
+    x = x.clone()
+    x[0, 0, 0] = -1e-17
+    out["hair_below_face"] = (elem_idxs(z), x, cell, pbc)
     # A cell smaller than the cutoff: several images of every atom.
     z, x, cell, pbc = water_box(2, seed=4)
     out["tiny_cell"] = (elem_idxs(z), x, cell, pbc)

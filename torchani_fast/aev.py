@@ -89,7 +89,8 @@ class NeighborList(torch.nn.Module):
         cell: tp.Optional[Tensor] = None,
         pbc: tp.Optional[Tensor] = None,
     ) -> Neighbors:
-        check_cell_pbc(coords, cell, pbc)
+        # The sync-free mode reads no data here either (see check_capacity).
+        check_cell_pbc(coords, cell, pbc, values=self.max_pairs == 0)
         use_cells = self.strategy == "cell_list" or (
             self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
         )

@@ -38,9 +38,10 @@ def _extension():
         import torch
 
         archs = [a for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
-        if archs:
-            vers = [f"{a[3:-1]}.{a[-1]}" for a in archs]
-            os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(vers[:-1] + [vers[-1] + "+PTX"])
+        # Some torch versions list no architectures when no GPU is visible; torch's
+        # own fallback then needs a GPU, so fall back to the common data-centre ones.
+        vers = [f"{a[3:-1]}.{a[-1]}" for a in archs] or ["7.5", "8.0", "8.6", "9.0"]
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(vers[:-1] + [vers[-1] + "+PTX"])
     nvcc = ["-O0", "-g", "-lineinfo"] if debug else ["-O3"]
     nvcc += ["-DTORCHANI_FAST_CUDA"]
     return cpp_extension.CUDAExtension(

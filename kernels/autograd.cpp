@@ -252,6 +252,16 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_autograd(
   return op.call(species, coords, cell, pbc, cutoff, cell_list);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_autograd(
+    const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
+    const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchani_fast::neighbor_pairs_padded", "")
+                       .typed<decltype(neighbor_pairs_padded_autograd)>();
+  return op.call(species, coords, cell, pbc, cutoff, cell_list, max_pairs);
+}
+
 at::Tensor aev_autograd(const at::Tensor& species, const at::Tensor& pairs,
                         const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
                         const at::Tensor& radial_shifts, const at::Tensor& angular_eta,

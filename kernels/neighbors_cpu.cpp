@@ -259,11 +259,9 @@ void write_pairs(std::vector<std::vector<int64_t>>& found, const std::vector<int
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
-    const at::Tensor& species, const at::Tensor& coords,
-    const c10::optional<at::Tensor>& cell, const c10::optional<at::Tensor>& pbc,
-    double cutoff, bool cell_list) {
-  const char* op = "torchani_fast::neighbor_pairs";
+void check_neighbor_inputs(const char* op, const at::Tensor& species, const at::Tensor& coords,
+                           const c10::optional<at::Tensor>& cell,
+                           const c10::optional<at::Tensor>& pbc, double cutoff) {
   TORCH_CHECK(species.dim() == 2, op, ": species must have shape (molecules, atoms), got ",
               species.sizes());
   TORCH_CHECK(species.scalar_type() == at::kLong || species.scalar_type() == at::kInt, op,
@@ -277,14 +275,25 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
   TORCH_CHECK(cutoff > 0 && std::isfinite(cutoff), op, ": cutoff must be positive, got ", cutoff);
   TORCH_CHECK(cell.has_value() == pbc.has_value(), op,
               ": cell and pbc must be given together (both or neither)");
-  at::Tensor cell_d;
-  bool pbc_h[3] = {false, false, false};
   if (cell.has_value()) {
     TORCH_CHECK(cell->dim() == 2 && cell->size(0) == 3 && cell->size(1) == 3, op,
                 ": cell must have shape (3, 3), got ", cell->sizes());
     TORCH_CHECK(pbc->numel() == 3 && pbc->scalar_type() == at::kBool, op,
                 ": pbc must be a bool tensor of shape (3,), got ", pbc->sizes(), " ",
                 pbc->scalar_type());
+  }
+}
+
+namespace {
+std::tuple<at::Tensor, at::Tensor> search_cpu(const char* op, const at::Tensor& species,
+                                              const at::Tensor& coords,
+                                              const c10::optional<at::Tensor>& cell,
+                                              const c10::optional<at::Tensor>& pbc, double cutoff,
+                                              bool cell_list) {
+  check_neighbor_inputs(op, species, coords, cell, pbc, cutoff);
+  at::Tensor cell_d;
+  bool pbc_h[3] = {false, false, false};
+  if (cell.has_value()) {
     cell_d = cell->detach().to(at::kDouble).contiguous();
     auto pbc_c = pbc->contiguous();
     for (int a = 0; a < 3; ++a) pbc_h[a] = pbc_c.data_ptr<bool>()[a];
@@ -306,6 +315,31 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
     write_pairs<scalar_t>(found, count, pairs, images, sp.options(), x.options());
   });
   return {pairs, images};
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
+    const at::Tensor& species, const at::Tensor& coords,
+    const c10::optional<at::Tensor>& cell, const c10::optional<at::Tensor>& pbc,
+    double cutoff, bool cell_list) {
+  return search_cpu("torchani_fast::neighbor_pairs", species, coords, cell, pbc, cutoff, cell_list);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_cpu(
+    const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
+    const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs) {
+  TORCH_CHECK(max_pairs >= 0, "torchani_fast::neighbor_pairs_padded: max_pairs must be >= 0, got ",
+              max_pairs);
+  // On the CPU the exact list costs nothing extra: search, then pad. Pairs
+  // beyond the capacity are dropped, as on CUDA; num_pairs says how many exist.
+  auto [found, found_images] = search_cpu("torchani_fast::neighbor_pairs_padded", species, coords,
+                                          cell, pbc, cutoff, cell_list);
+  const int64_t P = found.size(1), kept = std::min(P, max_pairs);
+  auto pairs = at::full({2, max_pairs}, -1, found.options());
+  auto images = at::zeros({max_pairs, 3}, found_images.options());
+  pairs.narrow(1, 0, kept).copy_(found.narrow(1, 0, kept));
+  images.narrow(0, 0, kept).copy_(found_images.narrow(0, 0, kept));
+  return {pairs, images, at::scalar_tensor(P, found.options())};
 }
 
 }  // namespace torchani_fast

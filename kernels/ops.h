@@ -46,6 +46,35 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
     const c10::optional<at::Tensor>& cell, const c10::optional<at::Tensor>& pbc,
     double cutoff, bool cell_list);
 
+// Argument checks of both neighbour ops (shapes and dtypes only; no data is read).
+void check_neighbor_inputs(const char* op, const at::Tensor& species, const at::Tensor& coords,
+                           const c10::optional<at::Tensor>& cell,
+                           const c10::optional<at::Tensor>& pbc, double cutoff);
+
+// Fixed-capacity variant: pairs (2, max_pairs) padded with -1, images
+// (max_pairs, 3) padded with 0, and num_pairs, a 0-dim int64 tensor with the
+// number of pairs that exist (> max_pairs means the list overflowed and the
+// pairs beyond the capacity were dropped). Output shapes depend only on input
+// shapes and on CUDA nothing is read back, so a CUDA graph can capture it.
+// Errors: the CPU raises; CUDA cannot without a sync, so num_pairs = -1 means
+// non-finite coordinates and -2 a singular cell (and no pairs are returned).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_cpu(
+    const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
+    const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs);
+
+#ifdef TORCHANI_FAST_CUDA
+// CUDA kernels (neighbors_cuda.cu, aev_cuda.cu): same semantics as the CPU
+// ones, except that data-dependent errors are not raised by the ops that must
+// not synchronise (see the files' headers). neighbor_pairs_cuda reads the pair
+// count back to size its outputs: its one host synchronisation.
+std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cuda(
+    const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
+    const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_cuda(
+    const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
+    const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs);
+#endif
+
 // AEV constants in one struct: every tensor is 1-D on the device of the call.
 struct AEVParams {
   at::Tensor radial_eta, radial_shifts, angular_eta, angular_zeta, angular_shifts,
@@ -59,6 +88,14 @@ at::Tensor aev_forward_cpu(const at::Tensor& species, const at::Tensor& pairs,
 at::Tensor aev_backward_cpu(const at::Tensor& grad_aev, const at::Tensor& species,
                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
                             const AEVParams& p);
+
+#ifdef TORCHANI_FAST_CUDA
+at::Tensor aev_forward_cuda(const at::Tensor& species, const at::Tensor& pairs,
+                            const at::Tensor& diff_vectors, const AEVParams& p);
+at::Tensor aev_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& species,
+                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
+                             const AEVParams& p);
+#endif
 
 // Second derivatives (aev_double_backward_cpu.cpp), the two halves of
 // aev_backward's own backward:
@@ -91,6 +128,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
 std::tuple<at::Tensor, at::Tensor> neighbor_pairs_autograd(
     const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
     const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_autograd(
+    const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
+    const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs);
 at::Tensor aev_autograd(const at::Tensor& species, const at::Tensor& pairs,
                         const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
                         const at::Tensor& radial_shifts, const at::Tensor& angular_eta,

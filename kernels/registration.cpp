@@ -36,6 +36,27 @@ at::Tensor aev_backward_cpu_op(const at::Tensor& grad_aev, const at::Tensor& spe
                                       rc_a, num_species));
 }
 
+#ifdef TORCHANI_FAST_CUDA
+at::Tensor aev_cuda(const at::Tensor& species, const at::Tensor& pairs, const at::Tensor& diff,
+                    const at::Tensor& r_eta, const at::Tensor& r_shifts, const at::Tensor& a_eta,
+                    const at::Tensor& a_zeta, const at::Tensor& a_shifts,
+                    const at::Tensor& a_sections, double rc_r, double rc_a, int64_t num_species) {
+  return aev_forward_cuda(species, pairs, diff,
+                          make_params(r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections, rc_r,
+                                      rc_a, num_species));
+}
+
+at::Tensor aev_backward_cuda_op(const at::Tensor& grad_aev, const at::Tensor& species,
+                                const at::Tensor& pairs, const at::Tensor& diff,
+                                const at::Tensor& r_eta, const at::Tensor& r_shifts,
+                                const at::Tensor& a_eta, const at::Tensor& a_zeta,
+                                const at::Tensor& a_shifts, const at::Tensor& a_sections,
+                                double rc_r, double rc_a, int64_t num_species) {
+  return aev_backward_cuda(grad_aev, species, pairs, diff,
+                           make_params(r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections, rc_r,
+                                       rc_a, num_species));
+}
+#endif
 at::Tensor aev_jvp_cpu_op(const at::Tensor& tangent, const at::Tensor& species,
                           const at::Tensor& pairs, const at::Tensor& diff,
                           const at::Tensor& r_eta, const at::Tensor& r_shifts,
@@ -82,6 +103,10 @@ TORCH_LIBRARY(torchani_fast, m) {
   m.def(
       "neighbor_pairs(Tensor species, Tensor coords, Tensor? cell, Tensor? pbc, float cutoff, "
       "bool cell_list) -> (Tensor pairs, Tensor images)");
+  m.def(
+      "neighbor_pairs_padded(Tensor species, Tensor coords, Tensor? cell, Tensor? pbc, "
+      "float cutoff, bool cell_list, int max_pairs) -> (Tensor pairs, Tensor images, "
+      "Tensor num_pairs)");
   m.def("aev(" TORCHANI_FAST_AEV_ARGS ") -> Tensor");
   m.def("aev_backward(Tensor grad_aev, " TORCHANI_FAST_AEV_ARGS ") -> Tensor");
   m.def("aev_jvp(Tensor tangent, " TORCHANI_FAST_AEV_ARGS ") -> Tensor");
@@ -93,6 +118,7 @@ TORCH_LIBRARY(torchani_fast, m) {
 
 TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("neighbor_pairs", &torchani_fast::neighbor_pairs_cpu);
+  m.impl("neighbor_pairs_padded", &torchani_fast::neighbor_pairs_padded_cpu);
   m.impl("aev", &torchani_fast::aev_cpu);
   m.impl("aev_backward", &torchani_fast::aev_backward_cpu_op);
   m.impl("aev_jvp", &torchani_fast::aev_jvp_cpu_op);
@@ -100,8 +126,18 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("aev_local_derivatives", &torchani_fast::aev_local_derivatives_cpu_op);
 }
 
+#ifdef TORCHANI_FAST_CUDA
+TORCH_LIBRARY_IMPL(torchani_fast, CUDA, m) {
+  m.impl("neighbor_pairs", &torchani_fast::neighbor_pairs_cuda);
+  m.impl("neighbor_pairs_padded", &torchani_fast::neighbor_pairs_padded_cuda);
+  m.impl("aev", &torchani_fast::aev_cuda);
+  m.impl("aev_backward", &torchani_fast::aev_backward_cuda_op);
+}
+#endif
+
 TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
   m.impl("neighbor_pairs", &torchani_fast::neighbor_pairs_autograd);
+  m.impl("neighbor_pairs_padded", &torchani_fast::neighbor_pairs_padded_autograd);
   m.impl("aev", &torchani_fast::aev_autograd);
   m.impl("aev_backward", &torchani_fast::aev_backward_autograd);
   m.impl("aev_jvp", &torchani_fast::aev_jvp_autograd);

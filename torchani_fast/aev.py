@@ -33,16 +33,44 @@ class NeighborList(torch.nn.Module):
     ----------
     strategy : {"auto", "all_pairs", "cell_list"}
         "auto" bins atoms (O(N)) from ``CELL_LIST_MIN_ATOMS`` atoms per molecule on.
+    max_pairs : int
+        0 (default): the exact list, whose length depends on the data (on CUDA
+        that costs one host sync per call, to learn the length). > 0: a
+        fixed-capacity list padded with ``-1`` (``ops.neighbor_pairs_padded``),
+        with no host sync, so a whole energy + forces step can be captured in
+        a CUDA graph. An overflow is then not raised: call
+        :meth:`check_capacity` (a sync) every so often, as an MD code checks
+        its Verlet list.
     """
 
     strategy: str
     cell_list_min_atoms: Final[int]
+    max_pairs: int
 
-    def __init__(self, strategy: str = "auto"):
+    def __init__(self, strategy: str = "auto", max_pairs: int = 0):
         super().__init__()
         self.strategy = "auto"
         self.cell_list_min_atoms = CELL_LIST_MIN_ATOMS
         self.set_strategy(strategy)
+        self.max_pairs = 0
+        self.set_max_pairs(max_pairs)
+        # Pair count of the last fixed-capacity search (-1: none yet). It is the
+        # op's output tensor, so after a CUDA graph replay it holds the replay's count.
+        self.register_buffer("num_pairs", torch.full((), -1, dtype=torch.long), persistent=False)
+
+    @torch.jit.export
+    def set_max_pairs(self, max_pairs: int) -> None:
+        if max_pairs < 0:
+            raise ValueError("max_pairs must be >= 0 (0: exact list), got " + str(max_pairs))
+        self.max_pairs = max_pairs
+
+    @torch.jit.export
+    def check_capacity(self) -> int:
+        """Number of pairs found by the last fixed-capacity search; raises if it
+        overflowed ``max_pairs`` or met invalid input. Synchronises the stream."""
+        if self.max_pairs == 0:
+            return -1
+        return ops.check_num_pairs(self.num_pairs, self.max_pairs)
 
     @torch.jit.export
     def set_strategy(self, strategy: str) -> None:
@@ -61,16 +89,27 @@ class NeighborList(torch.nn.Module):
         cell: tp.Optional[Tensor] = None,
         pbc: tp.Optional[Tensor] = None,
     ) -> Neighbors:
-        check_cell_pbc(coords, cell, pbc)
+        # The sync-free mode reads no data here either (see check_capacity).
+        check_cell_pbc(coords, cell, pbc, values=self.max_pairs == 0)
         use_cells = self.strategy == "cell_list" or (
             self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
         )
-        pairs, images = ops.neighbor_pairs(
-            elem_idxs, coords.detach(), None if cell is None else cell.detach(), pbc,
-            cutoff, use_cells,
-        )
+        if self.max_pairs > 0:
+            pairs, images, num_pairs = ops.neighbor_pairs_padded(
+                elem_idxs, coords.detach(), None if cell is None else cell.detach(), pbc,
+                cutoff, use_cells, self.max_pairs,
+            )
+            self.num_pairs = num_pairs
+            # Unused slots (-1) read atom 0; the AEV op skips them by their index.
+            safe = pairs.clamp(min=0)
+        else:
+            pairs, images = ops.neighbor_pairs(
+                elem_idxs, coords.detach(), None if cell is None else cell.detach(), pbc,
+                cutoff, use_cells,
+            )
+            safe = pairs
         flat = coords.view(-1, 3)
-        diff = flat.index_select(0, pairs[0]) - flat.index_select(0, pairs[1])
+        diff = flat.index_select(0, safe[0]) - flat.index_select(0, safe[1])
         if cell is not None:
             diff = diff + images @ cell
         return Neighbors(pairs, diff.norm(2, -1), diff)

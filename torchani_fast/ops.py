@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "neighbor_pairs", "aev", "aev_backward", "aev_jvp", "aev_double_backward",
-    "aev_local_derivatives",
+    "neighbor_pairs", "neighbor_pairs_padded", "check_num_pairs", "aev", "aev_backward",
+    "aev_jvp", "aev_double_backward", "aev_local_derivatives",
 ]
 
 
@@ -49,6 +49,70 @@ def neighbor_pairs(
         ``coords[pairs[0]] - coords[pairs[1]] + images @ cell``.
     """
     return torch.ops.torchani_fast.neighbor_pairs(species, coords, cell, pbc, cutoff, cell_list)
+
+
+def neighbor_pairs_padded(
+    species: Tensor,
+    coords: Tensor,
+    cell: tp.Optional[Tensor],
+    pbc: tp.Optional[Tensor],
+    cutoff: float,
+    cell_list: bool,
+    max_pairs: int,
+) -> tp.Tuple[Tensor, Tensor, Tensor]:
+    """:func:`neighbor_pairs` into a fixed-capacity list, without a host sync.
+
+    Output shapes depend only on ``max_pairs``, and on CUDA nothing is read
+    back to the host, so the call can be captured in a CUDA graph (and traced
+    by ``torch.compile`` without a data-dependent size). The price is that an
+    overflow is not raised: check ``num_pairs`` (see :func:`check_num_pairs`,
+    a sync) whenever convenient, e.g. every few hundred MD steps.
+
+    Parameters
+    ----------
+    species, coords, cell, pbc, cutoff, cell_list
+        As for :func:`neighbor_pairs`.
+    max_pairs : int
+        Capacity of the list (>= 0).
+
+    Returns
+    -------
+    pairs : Tensor, int64, shape (2, max_pairs)
+        The pairs grouped by their first atom in ascending order (on CUDA each
+        atom's partners are sorted by (j, image), so runs repeat bit for bit),
+        then ``-1`` in every unused slot, which :func:`aev` ignores.
+    images : Tensor, coords dtype, shape (max_pairs, 3)
+        Lattice translations as for :func:`neighbor_pairs`; 0 in unused slots.
+    num_pairs : Tensor, int64, shape ()
+        How many pairs exist. ``num_pairs > max_pairs`` means the list
+        overflowed and the pairs beyond the capacity were dropped. On CUDA an
+        invalid input that the CPU would raise for is reported here instead:
+        -1 for non-finite coordinates, -2 for a singular cell (no pairs then).
+    """
+    return torch.ops.torchani_fast.neighbor_pairs_padded(
+        species, coords, cell, pbc, cutoff, cell_list, max_pairs
+    )
+
+
+def check_num_pairs(num_pairs: Tensor, max_pairs: int) -> int:
+    """Raise if a fixed-capacity neighbour list overflowed or saw bad input.
+
+    This reads ``num_pairs`` back to the host, so it synchronises the stream:
+    call it outside captured regions, as often as the safety margin requires.
+    Returns the number of pairs.
+    """
+    n = int(num_pairs.item())
+    if n == -1:
+        raise RuntimeError("torchani_fast::neighbor_pairs_padded: coords must be finite")
+    if n == -2:
+        raise RuntimeError("torchani_fast::neighbor_pairs_padded: cell is singular")
+    if n > max_pairs:
+        raise RuntimeError(
+            "torchani_fast::neighbor_pairs_padded: " + str(n) + " pairs do not fit in "
+            "max_pairs=" + str(max_pairs) + "; the pairs beyond the capacity were dropped. "
+            "Raise max_pairs (e.g. to " + str(n + n // 4 + 64) + ") and recompute."
+        )
+    return n
 
 
 def aev(
@@ -160,6 +224,17 @@ def _neighbor_pairs_fake(species, coords, cell, pbc, cutoff, cell_list):
     pairs = species.new_empty((2, num_pairs), dtype=torch.long)
     images = coords.new_empty((num_pairs, 3))
     return pairs, images
+
+
+@torch.library.register_fake("torchani_fast::neighbor_pairs_padded")
+def _neighbor_pairs_padded_fake(species, coords, cell, pbc, cutoff, cell_list, max_pairs):
+    torch._check(species.dim() == 2, lambda: "species must be (M, A)")
+    torch._check(coords.shape == (*species.shape, 3), lambda: "coords must be (M, A, 3)")
+    torch._check(max_pairs >= 0, lambda: f"max_pairs must be >= 0, got {max_pairs}")
+    pairs = species.new_empty((2, max_pairs), dtype=torch.long)
+    images = coords.new_empty((max_pairs, 3))
+    num_pairs = species.new_empty((), dtype=torch.long)
+    return pairs, images, num_pairs
 
 
 @torch.library.register_fake("torchani_fast::aev")

@@ -79,8 +79,15 @@ def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtyp
         raise ValueError("coords must be finite, got {} at {}".format(row, _where(i, species.shape[1])))
 
 
-def check_cell_pbc(coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor]) -> None:
-    """Validate ``cell`` (3, 3) and ``pbc`` (3,) bool against ``coords``."""
+def check_cell_pbc(coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor],
+                   values: bool = True) -> None:
+    """Validate ``cell`` (3, 3) and ``pbc`` (3,) bool against ``coords``.
+
+    ``values=False`` checks only shapes, dtypes and devices, which reads no data
+    (no host sync on CUDA, so a CUDA graph can capture the caller); the
+    fixed-capacity neighbour op then reports a singular or non-finite cell
+    through its ``num_pairs`` (-2).
+    """
     if pbc is not None:
         if pbc.dtype != torch.bool or pbc.shape != (3,):
             raise ValueError("pbc must be a bool tensor of shape (3,), got {} of shape {}".format(
@@ -100,6 +107,8 @@ def check_cell_pbc(coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[T
             raise ValueError("cell is {} but coords are {}".format(_dtype(cell.dtype), _dtype(coords.dtype)))
         if cell.device != coords.device:
             raise ValueError("cell is on {} but coords on {}".format(cell.device, coords.device))
+        if not values:
+            return
         rows: tp.List[tp.List[float]] = cell.detach().tolist()
         if not bool(torch.isfinite(cell).all()):
             raise ValueError("cell must be finite, got {}".format(rows))

@@ -1,0 +1,365 @@
+"""GPU benchmark: TorchANI's best CUDA path against torchani_fast, energy + forces.
+
+Systems: a 46-atom molecule (not periodic) and periodic water boxes of about
+1k, 10k and 100k atoms. Model: the ANI-2x architecture with random weights
+(seeded), so no pretrained files are needed; speed and exactness do not depend
+on the weight values.
+
+Paths, each one energy + forces (autograd) per step, float32:
+
+- ``torchani``: TorchANI 2.9 with strategy "cuaev" and ``to_infer_model()`` when
+  its cuaev extension is loaded (else "pyaev", and the table says so); TorchANI's
+  neighbour list: all_pairs for the molecule, cell_list for water.
+- ``torchani+graph``: the same step captured in a CUDA graph, when TorchANI
+  allows it (it synchronises inside forward, so capture is expected to fail;
+  the reason is recorded).
+- ``fast``: ``torchani_fast.patch(model)`` called through the model's own API,
+  with TorchANI's inference networks (``to_infer_model()``) unless torchani_fast
+  replaced the networks itself.
+- ``fast-step``: the sync-free step (fixed-capacity neighbour list + AEV +
+  per-element batched networks on static index lists), eager.
+- ``fast-step+graph``: that step captured once and replayed.
+
+Usage: python benchmarks/benchmark_gpu.py --out DIR [--sizes 46,1000,10000,100000]
+Writes DIR/benchmark_gpu.json and DIR/benchmark_gpu.md.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+os.environ.setdefault("TORCHANI_NO_WARN_EXTENSIONS", "1")
+import torchani  # noqa: E402
+from torchani.csrc import CUAEV_IS_INSTALLED  # noqa: E402
+
+import torchani_fast  # noqa: E402
+from torchani_fast.aev import AEVComputer, NeighborList  # noqa: E402
+
+DEVICE = "cuda"
+DTYPE = torch.float32
+
+
+# ---------------------------------------------------------------------------
+# Model and systems
+
+
+def ani2x_random(strategy="pyaev", neighborlist="all_pairs", seed=0):
+    from torchani.arch import Assembler
+    from torchani.models import SYMBOLS_2X
+
+    asm = Assembler(periodic_table_index=True)
+    asm.set_symbols(SYMBOLS_2X)
+    asm.set_global_cutoff_fn("cosine")
+    asm.set_aev_computer(radial="ani2x", angular="ani2x", strategy=strategy)
+    asm.set_atomic_networks(ctor="ani2x")
+    asm.set_neighborlist(neighborlist)
+    asm.set_gsaes_as_self_energies("wb97x-631gd")
+    torch.manual_seed(seed)  # same seed, same weights, whatever the strategy
+    model = asm.assemble(8)
+    model.requires_grad_(False)
+    return model
+
+
+def molecule(n=46, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = math.ceil((3 * n) ** (1 / 3)) + 2
+    r = torch.arange(k, dtype=torch.float64) * 1.4
+    grid = torch.stack(torch.meshgrid(r, r, r, indexing="ij"), -1).view(-1, 3)
+    grid = grid - grid.mean(0)
+    pos = grid[grid.norm(dim=1).argsort()[:n]]
+    pos = pos + 0.15 * torch.randn(pos.shape, generator=g, dtype=torch.float64)
+    numbers = torch.tensor([1, 6, 7, 8, 16, 9, 17])
+    weights = torch.tensor([10.0, 6.0, 2.0, 2.0, 0.5, 0.5, 0.5])
+    z = numbers[torch.multinomial(weights, n, replacement=True, generator=g)]
+    return z.unsqueeze(0), pos.unsqueeze(0), None, None
+
+
+def water_box(n_molecules, seed=0, density=0.0334):
+    g = torch.Generator().manual_seed(seed)
+    length = (n_molecules / density) ** (1 / 3)
+    k = math.ceil(n_molecules ** (1 / 3))
+    r = (torch.arange(k, dtype=torch.float64) + 0.5) * (length / k)
+    sites = torch.stack(torch.meshgrid(r, r, r, indexing="ij"), -1).view(-1, 3)[:n_molecules]
+    oxygen = sites + 0.2 * torch.randn(sites.shape, generator=g, dtype=torch.float64)
+    q = torch.randn(n_molecules, 4, generator=g, dtype=torch.float64)
+    q = q / q.norm(dim=1, keepdim=True)
+    w, x, y, z = q.unbind(1)
+    rot = torch.stack([
+        1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
+        2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
+        2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y),
+    ], 1).view(-1, 3, 3)
+    half = math.radians(104.5) / 2
+    local = 0.9572 * torch.tensor([[math.sin(half), math.cos(half), 0.0],
+                                   [-math.sin(half), math.cos(half), 0.0]], dtype=torch.float64)
+    hydrogens = oxygen.unsqueeze(1) + torch.einsum("nij,hj->nhi", rot, local)
+    coords = torch.cat([oxygen.unsqueeze(1), hydrogens], 1).view(1, -1, 3)
+    numbers = torch.tensor([8, 1, 1]).repeat(n_molecules).unsqueeze(0)
+    return numbers, coords, torch.eye(3, dtype=torch.float64) * length, torch.tensor([True] * 3)
+
+
+def system(n_atoms):
+    if n_atoms < 100:
+        return "molecule", molecule(n_atoms)
+    return "periodic water", water_box(round(n_atoms / 3))
+
+
+# ---------------------------------------------------------------------------
+# Timing
+
+
+def time_step(fn, budget_s=2.0, max_reps=500):
+    """Median milliseconds of fn() over repetitions timed with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = time.perf_counter() - t0
+    reps = int(min(max_reps, max(3, budget_s / max(once, 1e-6))))
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2], reps
+
+
+def energy_forces(model, z, x, cell, pbc):
+    x = x.detach().requires_grad_(True)
+    e = model((z, x), cell=cell, pbc=pbc).energies.sum()
+    (g,) = torch.autograd.grad(e, x)
+    return e.detach(), -g
+
+
+class StaticNetworks(torch.nn.Module):
+    """Per-element batched networks on index lists fixed outside the step.
+
+    In MD the elements never change, so the atoms of each element are found
+    once; the step then has only fixed shapes (capturable in a CUDA graph).
+    Uses TorchANI's own BmmAtomicNetwork modules (8 members fused per element).
+    """
+
+    def __init__(self, model, elem_idxs):
+        super().__init__()
+        from torchani.nn._infer import BmmEnsemble
+
+        bmm = BmmEnsemble(model.potentials["nnp"].neural_networks)
+        flat = elem_idxs.flatten()
+        self.nets = torch.nn.ModuleList()
+        self.idx = []
+        for i, net in enumerate(bmm.atomics.values()):
+            sel = (flat == i).nonzero().flatten()
+            if sel.numel():
+                self.nets.append(net)
+                self.idx.append(sel)
+        # Self energies are constant for fixed elements.
+        with torch.no_grad():
+            self.register_buffer("sae", model.energy_shifter(elem_idxs).sum().detach())
+
+    def forward(self, aev):
+        flat = aev.flatten(0, 1)
+        e = self.sae
+        for idx, net in zip(self.idx, self.nets):
+            e = e + net(flat.index_select(0, idx)).sum()
+        return e
+
+
+def fast_step(model, elem_idxs, coords, cell, pbc, max_pairs):
+    """model: an unpatched TorchANI model (its AEV terms and Ensemble are reused)."""
+    nl = NeighborList("auto", max_pairs=max_pairs)
+    aevc = AEVComputer.from_torchani(model.potentials["nnp"].aev_computer, nl)
+    nets = StaticNetworks(model, elem_idxs)
+
+    def step(x):
+        e = nets(aevc(elem_idxs, x, cell, pbc))
+        (g,) = torch.autograd.grad(e, x)
+        return e.detach(), -g
+
+    return step, nl
+
+
+def capture(step, x):
+    static_x = x.detach().clone().requires_grad_(True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static_x)
+    return graph, static_x, out
+
+
+def short(exc):
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return text[0][:160] if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------
+
+
+def run(sizes, out_dir, budget_s):
+    strategy = "cuaev" if CUAEV_IS_INSTALLED else "pyaev"
+    dev = torch.cuda.get_device_properties(0)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": dev.name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "torchani": torchani.__version__,
+        "torchani_fast": torchani_fast.__version__,
+        "python": platform.python_version(),
+        "dtype": str(DTYPE),
+        "torchani_strategy": strategy,
+        "torchani_networks": "to_infer_model() (BmmEnsemble)",
+    }
+    print(json.dumps(meta, indent=1), flush=True)
+    rows = []
+    for n in sizes:
+        kind, (z, x, cell, pbc) = system(n)
+        n_atoms = z.shape[1]
+        nl_name = "all_pairs" if cell is None else "cell_list"
+        z_d = z.to(DEVICE)
+        x_d = x.to(DEVICE, DTYPE)
+        cell_d = None if cell is None else cell.to(DEVICE, DTYPE)
+        pbc_d = None if pbc is None else pbc.to(DEVICE)
+        row = {"atoms": n_atoms, "system": kind}
+        print(f"\n== {n_atoms} atoms ({kind}) ==", flush=True)
+
+        # TorchANI
+        e_ref = f_ref = None
+        try:
+            ref = ani2x_random(strategy, nl_name).to(DEVICE, DTYPE).to_infer_model()
+            e_ref, f_ref = energy_forces(ref, z_d, x_d, cell_d, pbc_d)
+            ms, reps = time_step(lambda: energy_forces(ref, z_d, x_d, cell_d, pbc_d), budget_s)
+            row["torchani_ms"] = ms
+            print(f"torchani ({strategy}+infer): {ms:.3f} ms ({reps} reps)", flush=True)
+            try:
+                def ref_step(xx):
+                    e = ref((z_d, xx), cell=cell_d, pbc=pbc_d).energies.sum()
+                    return e, torch.autograd.grad(e, xx)[0]
+                graph, _, _ = capture(ref_step, x_d)
+                row["torchani_graph_ms"], _ = time_step(graph.replay, budget_s)
+            except Exception as exc:  # expected: TorchANI synchronises in forward
+                row["torchani_graph"] = "capture failed: " + short(exc)
+                torch.cuda.synchronize()
+            print(f"torchani+graph: {row.get('torchani_graph_ms', row.get('torchani_graph'))}",
+                  flush=True)
+            del ref
+        except Exception as exc:
+            row["torchani"] = "failed: " + short(exc)
+            traceback.print_exc()
+
+        # torchani_fast through the model API
+        base = ani2x_random("pyaev", nl_name).to(DEVICE, DTYPE)
+        fast = torchani_fast.patch(base)
+        nn_module = type(fast.potentials["nnp"].neural_networks).__module__
+        if not nn_module.startswith("torchani_fast"):
+            fast = fast.to_infer_model()
+        row["fast_networks"] = type(fast.potentials["nnp"].neural_networks).__name__
+        e_fast, f_fast = energy_forces(fast, z_d, x_d, cell_d, pbc_d)
+        ms, reps = time_step(lambda: energy_forces(fast, z_d, x_d, cell_d, pbc_d), budget_s)
+        row["fast_ms"] = ms
+        print(f"torchani_fast (model API, {row['fast_networks']}): {ms:.3f} ms ({reps} reps)",
+              flush=True)
+        if e_ref is not None:
+            row["max_dE_vs_torchani"] = (e_fast - e_ref).abs().item()
+            row["max_dF_vs_torchani"] = (f_fast - f_ref).abs().max().item()
+
+        # The sync-free step, eager and in a CUDA graph
+        elem = fast.species_converter(z_d)
+        pairs, _ = torchani_fast.ops.neighbor_pairs(elem, x_d, cell_d, pbc_d, 5.2, n_atoms >= 256)
+        max_pairs = int(pairs.shape[1] * 1.2) + 1024
+        step, nl = fast_step(ani2x_random().to(DEVICE, DTYPE), elem, x_d, cell_d, pbc_d,
+                             max_pairs)
+        e_s, f_s = step(x_d.clone().requires_grad_(True))
+        row["step_max_dE_vs_model_api"] = (e_s - e_fast).abs().item()
+        row["step_max_dF_vs_model_api"] = (f_s - f_fast).abs().max().item()
+        ms, reps = time_step(lambda: step(x_d.clone().requires_grad_(True)), budget_s)
+        row["fast_step_ms"] = ms
+        print(f"torchani_fast step (eager): {ms:.3f} ms ({reps} reps)", flush=True)
+        try:
+            graph, static_x, (e_g, f_g) = capture(step, x_d)
+            graph.replay()
+            torch.cuda.synchronize()
+            nl.check_capacity()
+            row["graph_max_dF_vs_eager"] = (f_g - f_s).abs().max().item()
+            ms, reps = time_step(graph.replay, budget_s, max_reps=2000)
+            row["fast_graph_ms"] = ms
+            print(f"torchani_fast step (CUDA graph): {ms:.3f} ms ({reps} reps)", flush=True)
+        except Exception as exc:
+            row["fast_graph"] = "capture failed: " + short(exc)
+            traceback.print_exc()
+        best_fast = min(v for k, v in row.items() if k in ("fast_ms", "fast_step_ms", "fast_graph_ms"))
+        best_ref = min([v for k, v in row.items() if k in ("torchani_ms", "torchani_graph_ms")] or [math.nan])
+        row["speedup_best"] = best_ref / best_fast
+        row["fast_atom_steps_per_s"] = n_atoms / (best_fast * 1e-3)
+        rows.append(row)
+        del base, fast, step, nl
+        torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+
+    result = {"meta": meta, "rows": rows}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "benchmark_gpu.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, "benchmark_gpu.md"), "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+
+
+def markdown(result):
+    m = result["meta"]
+    lines = [
+        f"GPU benchmark, {m['date']}, {m['device']}, torch {m['torch']} (CUDA {m['cuda']}), "
+        f"TorchANI {m['torchani']} ({m['torchani_strategy']} + {m['torchani_networks']}), "
+        f"{m['dtype']}, ANI-2x architecture with random weights, energy + forces per step.",
+        "",
+        "| atoms | system | TorchANI ms | TorchANI graph | fast ms (model API) | fast step ms "
+        "| fast step graph ms | best speed-up | atom-steps/s | max dE / dF vs TorchANI |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(row, key, alt=None):
+        if key in row:
+            return f"{row[key]:.3f}"
+        return row.get(alt, "-") if alt else "-"
+
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['atoms']} | {r['system']} | {fmt(r, 'torchani_ms', 'torchani')} | "
+            f"{fmt(r, 'torchani_graph_ms', 'torchani_graph')} | {fmt(r, 'fast_ms')} | "
+            f"{fmt(r, 'fast_step_ms')} | {fmt(r, 'fast_graph_ms', 'fast_graph')} | "
+            f"{r['speedup_best']:.2f}x | {r['fast_atom_steps_per_s']:.3g} | "
+            f"{r.get('max_dE_vs_torchani', float('nan')):.2e} / "
+            f"{r.get('max_dF_vs_torchani', float('nan')):.2e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=".")
+    p.add_argument("--sizes", default="46,1000,10000,100000")
+    p.add_argument("--budget", type=float, default=1.5, help="seconds of timing per case")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmark_gpu.py needs a CUDA GPU")
+    run([int(s) for s in a.sizes.split(",")], a.out, a.budget)
+
+
+if __name__ == "__main__":
+    main()

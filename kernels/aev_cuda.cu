@@ -1,0 +1,682 @@
+// CUDA AEV from a half neighbour list: forward and backward.
+//
+// Same half-edge scheme as the CPU kernels (aev_cpu.cpp): each kept pair
+// becomes two half edges, one owned by each atom, grouped per atom in CSR form.
+// A centre atom is handled by G warps (G = 8 for tiny systems, 1 for large
+// ones, so that small molecules still fill the GPU); inside a warp the lanes
+// own AEV columns, so every column is accumulated by one lane in a fixed order
+// and no atomics touch floating-point data. The result is the same bits on
+// every run for a given input shape.
+//
+//   edge_count_kernel  thread per pair: keep? (index >= 0, species >= 0,
+//                      r <= Rc_radial), per-atom counts (all and angular)
+//   cumsum             CSR starts (at::cumsum, on the stream, no sync)
+//   edge_fill_kernel   thread per pair: half edges into their atom's segment
+//                      (atomic slot, so the order inside a segment is random)
+//   edge_sort_kernel   warp per atom: rank-sort the segment by (not angular,
+//                      pair, side), so angular neighbours come first and the
+//                      order is canonical; store the centre-to-neighbour vector,
+//                      r, cutoff values and neighbour species per half edge
+//   forward_kernel     G warps per atom; radial then angular triples; the G
+//                      partial rows (shared memory) are summed in fixed order
+//   backward_kernel    G warps per atom write d(loss)/d(half edge vector) into
+//                      their own copy of a (G, E, 3) buffer: plain
+//                      read-modify-writes, since each half edge belongs to one
+//                      atom and each copy to one warp
+//   gather_kernel      thread per pair: grad_diff = g[edge of i1] - g[edge of i0]
+//
+// Nothing is read back to the host: every buffer size follows from the input
+// shapes (at most 2P half edges). Value errors that the CPU reports with a
+// message need a sync to report, so on CUDA they poison the output instead:
+// a species outside [-1, num_species) gives that atom a NaN row, and a pair
+// index >= M*A makes the whole AEV NaN.
+#include "cuda_common.cuh"
+#include "ops.h"
+
+namespace torchani_fast {
+namespace {
+
+using cuda::kWarp;
+using cuda::warp_sum;
+
+constexpr int kThreads = 256;
+constexpr int64_t kErrPairIndex = 1;
+
+// Per half edge: centre-to-neighbour vector, its length, and the cutoff
+// function and its derivative for both cutoffs (0 beyond the angular cutoff).
+enum EdgeField { kVx, kVy, kVz, kR, kFcR, kDfcR, kFcA, kDfcA, kEdgeFields };
+
+// Keys sort angular neighbours first, then by pair index and side.
+constexpr int kKeyAngularShift = 62;
+
+template <typename scalar_t>
+struct Params {
+  const scalar_t *eta_r, *shf_r, *eta_a, *zeta, *shf_a, *sections;
+  int64_t n_eta_r, n_eta_a, n_zeta;
+  int64_t S, R, A, Z, AZ, F, radial_len;
+  scalar_t rc_r, rc_a;
+  scalar_t rc_r_sq;  // rounded from the double square, as on the CPU
+};
+
+// Device copies of the constants in the working dtype (no-ops when the
+// buffers already have it), kept alive for the duration of the launches.
+template <typename scalar_t>
+struct ParamTensors {
+  at::Tensor eta_r, shf_r, eta_a, zeta, shf_a, sections;
+  Params<scalar_t> p;
+
+  ParamTensors(const AEVParams& a, at::ScalarType dtype) {
+    auto conv = [&](const at::Tensor& t) { return t.detach().to(dtype).contiguous(); };
+    eta_r = conv(a.radial_eta);
+    shf_r = conv(a.radial_shifts);
+    eta_a = conv(a.angular_eta);
+    zeta = conv(a.angular_zeta);
+    shf_a = conv(a.angular_shifts);
+    sections = conv(a.angular_sections);
+    p.eta_r = eta_r.data_ptr<scalar_t>();
+    p.shf_r = shf_r.data_ptr<scalar_t>();
+    p.eta_a = eta_a.data_ptr<scalar_t>();
+    p.zeta = zeta.data_ptr<scalar_t>();
+    p.shf_a = shf_a.data_ptr<scalar_t>();
+    p.sections = sections.data_ptr<scalar_t>();
+    p.n_eta_r = eta_r.numel();
+    p.n_eta_a = eta_a.numel();
+    p.n_zeta = zeta.numel();
+    p.S = a.num_species;
+    p.R = shf_r.numel();
+    p.A = shf_a.numel();
+    p.Z = sections.numel();
+    p.AZ = p.A * p.Z;
+    p.radial_len = p.S * p.R;
+    p.F = p.radial_len + p.S * (p.S + 1) / 2 * p.AZ;
+    p.rc_r = static_cast<scalar_t>(a.radial_cutoff);
+    p.rc_a = static_cast<scalar_t>(a.angular_cutoff);
+    p.rc_r_sq = static_cast<scalar_t>(a.radial_cutoff * a.radial_cutoff);
+  }
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t cutoff_cos(scalar_t r, scalar_t rc) {
+  return scalar_t(0.5) * cuda::dcos(r * (scalar_t(cuda::kPi) / rc)) + scalar_t(0.5);
+}
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t cutoff_cos_deriv(scalar_t r, scalar_t rc) {
+  return scalar_t(-0.5) * (scalar_t(cuda::kPi) / rc) * cuda::dsin(r * (scalar_t(cuda::kPi) / rc));
+}
+
+// Row-major upper-triangular index of the species pair, as torchani's triu_index.
+__device__ __forceinline__ int64_t pair_index(int64_t s1, int64_t s2, int64_t S) {
+  if (s1 > s2) {
+    const int64_t t = s1;
+    s1 = s2;
+    s2 = t;
+  }
+  return s1 * S - s1 * (s1 - 1) / 2 + (s2 - s1);
+}
+
+// ---------------------------------------------------------------------------
+// Half-edge construction
+
+template <typename scalar_t>
+__global__ void edge_count_kernel(const int64_t* __restrict__ species, int64_t N, int64_t S,
+                                  const int64_t* __restrict__ pairs, int64_t P,
+                                  const scalar_t* __restrict__ diff, scalar_t rc_r_sq,
+                                  scalar_t rc_a, uint8_t* __restrict__ keep,
+                                  int64_t* __restrict__ count, int64_t* __restrict__ ang_count,
+                                  int64_t* __restrict__ err) {
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < P;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    uint8_t k = 0;
+    const int64_t a = pairs[p], b = pairs[P + p];
+    // A negative index marks an unused slot of a fixed-capacity pair list.
+    if (a >= 0 && b >= 0) {
+      if (a >= N || b >= N) {
+        cuda::atomic_or_i64(err, kErrPairIndex);
+      } else {
+        const int64_t sa = species[a], sb = species[b];
+        if (sa >= 0 && sb >= 0 && sa < S && sb < S) {
+          const scalar_t* d = diff + 3 * p;
+          const scalar_t r2 = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];
+          if (r2 <= rc_r_sq) {
+            const bool ang = cuda::dsqrt(r2) <= rc_a;
+            k = ang ? 2 : 1;
+            cuda::atomic_add_i64(count + a, 1);
+            cuda::atomic_add_i64(count + b, 1);
+            if (ang) {
+              cuda::atomic_add_i64(ang_count + a, 1);
+              cuda::atomic_add_i64(ang_count + b, 1);
+            }
+          }
+        }
+      }
+    }
+    keep[p] = k;
+  }
+}
+
+__global__ void edge_fill_kernel(const int64_t* __restrict__ pairs, int64_t P,
+                                 const uint8_t* __restrict__ keep,
+                                 const int64_t* __restrict__ start, int64_t* __restrict__ cursor,
+                                 int64_t* __restrict__ key) {
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < P;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    const uint8_t k = keep[p];
+    if (k == 0) continue;
+    const int64_t not_ang = k == 2 ? 0 : 1;
+    const int64_t base = (not_ang << kKeyAngularShift) | (p << 1);
+    const int64_t a = pairs[p], b = pairs[P + p];
+    key[start[a] + cuda::atomic_add_i64(cursor + a, 1)] = base;
+    key[start[b] + cuda::atomic_add_i64(cursor + b, 1)] = base | 1;
+  }
+}
+
+template <typename scalar_t>
+__global__ void edge_sort_kernel(Params<scalar_t> k, const int64_t* __restrict__ species, int64_t N,
+                                 const int64_t* __restrict__ pairs, int64_t P,
+                                 const scalar_t* __restrict__ diff,
+                                 const int64_t* __restrict__ start,
+                                 const int64_t* __restrict__ key, scalar_t* __restrict__ data,
+                                 int32_t* __restrict__ nspec, int64_t* __restrict__ pair_edge) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / kWarp);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x / kWarp) + threadIdx.x / kWarp; i < N;
+       i += warps) {
+    const int64_t s = start[i], n = start[i + 1] - s;
+    for (int64_t q = lane; q < n; q += kWarp) {
+      const int64_t mine = key[s + q];
+      int64_t rank = 0;
+      for (int64_t o = 0; o < n; ++o) rank += key[s + o] < mine;
+      const int64_t pos = s + rank;
+      const int64_t p = (mine & ((int64_t(1) << kKeyAngularShift) - 1)) >> 1;
+      const int side = static_cast<int>(mine & 1);
+      // diff = x[i0] - x[i1]: the vector from the centre to the neighbour is
+      // -diff when the centre is i0 and +diff when it is i1.
+      const scalar_t sign = side == 0 ? scalar_t(-1) : scalar_t(1);
+      scalar_t* e = data + kEdgeFields * pos;
+      const scalar_t v0 = sign * diff[3 * p], v1 = sign * diff[3 * p + 1],
+                     v2 = sign * diff[3 * p + 2];
+      const scalar_t r = cuda::dsqrt(v0 * v0 + v1 * v1 + v2 * v2);
+      e[kVx] = v0;
+      e[kVy] = v1;
+      e[kVz] = v2;
+      e[kR] = r;
+      e[kFcR] = cutoff_cos(r, k.rc_r);
+      e[kDfcR] = cutoff_cos_deriv(r, k.rc_r);
+      const bool ang = (mine >> kKeyAngularShift) == 0;
+      e[kFcA] = ang ? cutoff_cos(r, k.rc_a) : scalar_t(0);
+      e[kDfcA] = ang ? cutoff_cos_deriv(r, k.rc_a) : scalar_t(0);
+      nspec[pos] = static_cast<int32_t>(species[side == 0 ? pairs[P + p] : pairs[p]]);
+      pair_edge[2 * p + side] = pos;
+    }
+  }
+}
+
+// Zero-filled integer workspace and the sorted half edges of one call.
+struct Edges {
+  int64_t N, P, E;  // E = 2P, the most half edges there can be
+  at::Tensor ints, start, count, ang_count, cursor, err;
+  at::Tensor keep, key, data, nspec, pair_edge;
+};
+
+template <typename scalar_t>
+Edges build_edges(const Params<scalar_t>& k, const at::Tensor& sp, const at::Tensor& pr,
+                  const at::Tensor& diff) {
+  Edges h;
+  h.N = sp.numel();
+  h.P = pr.size(1);
+  h.E = 2 * h.P;
+  const auto lopt = sp.options().dtype(at::kLong);
+  // start (N+1) | count (N) | ang_count (N) | cursor (N) | err (1): one memset.
+  h.ints = at::zeros({4 * h.N + 2}, lopt);
+  h.start = h.ints.narrow(0, 0, h.N + 1);
+  h.count = h.ints.narrow(0, h.N + 1, h.N);
+  h.ang_count = h.ints.narrow(0, 2 * h.N + 1, h.N);
+  h.cursor = h.ints.narrow(0, 3 * h.N + 1, h.N);
+  h.err = h.ints.narrow(0, 4 * h.N + 1, 1);
+  h.keep = at::empty({h.P}, sp.options().dtype(at::kByte));
+  h.key = at::empty({h.E}, lopt);
+  h.data = at::empty({h.E, kEdgeFields}, diff.options());
+  h.nspec = at::empty({h.E}, sp.options().dtype(at::kInt));
+  h.pair_edge = at::empty({h.P, 2}, lopt);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (h.P > 0) {
+    edge_count_kernel<scalar_t><<<cuda::grid_for(h.P, kThreads), kThreads, 0, stream>>>(
+        sp.data_ptr<int64_t>(), h.N, k.S, pr.data_ptr<int64_t>(), h.P, diff.data_ptr<scalar_t>(),
+        k.rc_r_sq, k.rc_a, h.keep.data_ptr<uint8_t>(), h.count.data_ptr<int64_t>(),
+        h.ang_count.data_ptr<int64_t>(), h.err.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (h.N > 0) {
+    auto ends = h.start.narrow(0, 1, h.N);
+    at::cumsum_out(ends, h.count, 0);
+  }
+  if (h.P > 0) {
+    edge_fill_kernel<<<cuda::grid_for(h.P, kThreads), kThreads, 0, stream>>>(
+        pr.data_ptr<int64_t>(), h.P, h.keep.data_ptr<uint8_t>(), h.start.data_ptr<int64_t>(),
+        h.cursor.data_ptr<int64_t>(), h.key.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    edge_sort_kernel<scalar_t>
+        <<<cuda::grid_for(h.N * kWarp, kThreads), kThreads, 0, stream>>>(
+            k, sp.data_ptr<int64_t>(), h.N, pr.data_ptr<int64_t>(), h.P,
+            diff.data_ptr<scalar_t>(), h.start.data_ptr<int64_t>(), h.key.data_ptr<int64_t>(),
+            h.data.data_ptr<scalar_t>(), h.nspec.data_ptr<int32_t>(),
+            h.pair_edge.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return h;
+}
+
+// ---------------------------------------------------------------------------
+// Launch geometry shared by forward and backward
+
+struct Geometry {
+  int G;                // warps per centre atom
+  int atoms_per_block;  // atoms handled by one block at a time
+  int threads;
+  size_t smem;
+  int64_t blocks;
+};
+
+// Warps per atom from the number of atoms only (not the device), so a given
+// input always gives the same bits. rows_per_atom: shared rows per atom (G for
+// forward, one per warp; 1 for backward, the staged gradient row).
+template <typename scalar_t>
+Geometry make_geometry(const Params<scalar_t>& k, int64_t N, bool forward) {
+  Geometry g;
+  g.G = N >= 4096 ? 1 : N >= 1024 ? 2 : N >= 256 ? 4 : 8;
+  const int warps = g.G >= 4 ? g.G : 4;
+  g.atoms_per_block = warps / g.G;
+  g.threads = warps * kWarp;
+  const int64_t rows = forward ? warps : g.atoms_per_block;
+  g.smem = static_cast<size_t>(2 * k.R + 5 * k.AZ + rows * k.F) * sizeof(scalar_t);
+  g.blocks = cuda::ceil_div(N, g.atoms_per_block);
+  return g;
+}
+
+// Allows more than the default 48 KiB of dynamic shared memory when needed.
+// The attribute is set once per kernel and device (it is not a stream
+// operation, so it is also safe while a CUDA graph is being captured).
+template <typename Kernel>
+void reserve_smem(const char* op, Kernel kernel, size_t bytes, int64_t F) {
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(bytes <= prop->sharedMemPerBlockOptin, op, ": AEV length ", F,
+              " needs ", bytes, " bytes of shared memory per block, more than the ",
+              prop->sharedMemPerBlockOptin, " this GPU offers");
+  if (bytes <= 48 * 1024) return;
+  static size_t reserved[64] = {};
+  const int dev = at::cuda::current_device();
+  if (dev < 64 && reserved[dev] >= bytes) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(bytes)));
+  if (dev < 64) reserved[dev] = bytes;
+}
+
+// Constants in shared memory: radial (eta, shift) per shift, angular (eta,
+// shift, zeta, cos, sin) per column a*Z + z.
+template <typename scalar_t>
+struct SharedConsts {
+  scalar_t *eta_r, *shf_r, *eta_a, *shf_a, *zeta, *cos_z, *sin_z;
+
+  __device__ SharedConsts(const Params<scalar_t>& k, scalar_t* smem) {
+    eta_r = smem;
+    shf_r = eta_r + k.R;
+    eta_a = shf_r + k.R;
+    shf_a = eta_a + k.AZ;
+    zeta = shf_a + k.AZ;
+    cos_z = zeta + k.AZ;
+    sin_z = cos_z + k.AZ;
+    for (int64_t s = threadIdx.x; s < k.R; s += blockDim.x) {
+      eta_r[s] = k.eta_r[k.n_eta_r == 1 ? 0 : s];
+      shf_r[s] = k.shf_r[s];
+    }
+    for (int64_t f = threadIdx.x; f < k.AZ; f += blockDim.x) {
+      const int64_t a = f / k.Z, z = f % k.Z;
+      eta_a[f] = k.eta_a[k.n_eta_a == 1 ? 0 : a];
+      shf_a[f] = k.shf_a[a];
+      zeta[f] = k.zeta[k.n_zeta == 1 ? 0 : z];
+      cos_z[f] = cuda::dcos(k.sections[z]);
+      sin_z[f] = cuda::dsin(k.sections[z]);
+    }
+  }
+  __device__ scalar_t* end(const Params<scalar_t>& k) const { return sin_z + k.AZ; }
+};
+
+// The parts of one angular triple shared by forward and backward.
+template <typename scalar_t>
+struct Triple {
+  scalar_t cos_raw;  // v1.v2 / max(r1 r2, 1e-10)
+  scalar_t c;        // 0.95 * cos_raw, so |c| <= 0.95
+  scalar_t sin_c;    // sqrt(1 - c^2) = sin(acos(c))
+  scalar_t mean_r;   // (r1 + r2) / 2
+  bool clamped;      // r1 r2 < 1e-10
+
+  __device__ Triple(const scalar_t* e1, const scalar_t* e2) {
+    const scalar_t dot = e1[kVx] * e2[kVx] + e1[kVy] * e2[kVy] + e1[kVz] * e2[kVz];
+    const scalar_t den = e1[kR] * e2[kR];
+    clamped = den < scalar_t(1e-10);
+    cos_raw = dot / (clamped ? scalar_t(1e-10) : den);
+    c = scalar_t(0.95) * cos_raw;
+    const scalar_t one_minus = scalar_t(1) - c * c;
+    sin_c = cuda::dsqrt(one_minus > scalar_t(0) ? one_minus : scalar_t(0));
+    mean_r = (e1[kR] + e2[kR]) / scalar_t(2);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Forward
+
+template <typename scalar_t>
+__global__ void forward_kernel(Params<scalar_t> k, int64_t N, int G,
+                               const int64_t* __restrict__ species,
+                               const int64_t* __restrict__ start,
+                               const int64_t* __restrict__ ang_count,
+                               const scalar_t* __restrict__ data,
+                               const int32_t* __restrict__ nspec, const int64_t* __restrict__ err,
+                               scalar_t* __restrict__ aev) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const SharedConsts<scalar_t> c(k, reinterpret_cast<scalar_t*>(smem_raw));
+  scalar_t* rows = c.end(k);
+  __syncthreads();
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int apb = blockDim.x / kWarp / G;
+  const int la = warp / G, g = warp % G;
+  scalar_t* row = rows + static_cast<int64_t>(warp) * k.F;
+  const bool failed = err[0] != 0;
+  const scalar_t nan = scalar_t(NAN);
+
+  // The loop bound is the same for every thread of the block (__syncthreads inside).
+  for (int64_t first = blockIdx.x * int64_t(apb); first < N; first += int64_t(gridDim.x) * apb) {
+    const int64_t i = first + la;
+    for (int64_t f = lane; f < k.F; f += kWarp) row[f] = scalar_t(0);
+    __syncwarp();
+    const int64_t s_i = i < N ? species[i] : -1;
+    if (!failed && s_i >= 0 && s_i < k.S) {
+      const int64_t e0 = start[i], ne = start[i + 1] - e0, na = ang_count[i];
+      for (int64_t q = g; q < ne; q += G) {
+        const scalar_t* e = data + kEdgeFields * (e0 + q);
+        const scalar_t r = e[kR], fc = e[kFcR];
+        scalar_t* out = row + static_cast<int64_t>(nspec[e0 + q]) * k.R;
+        for (int64_t s = lane; s < k.R; s += kWarp) {
+          const scalar_t x = r - c.shf_r[s];
+          // TorchANI's radial terms carry a factor 0.25.
+          out[s] += scalar_t(0.25) * cuda::dexp(-c.eta_r[s] * x * x) * fc;
+        }
+      }
+      int64_t t = 0;
+      for (int64_t j = 0; j < na; ++j) {
+        const scalar_t* e1 = data + kEdgeFields * (e0 + j);
+        const int32_t s1 = nspec[e0 + j];
+        for (int64_t l = j + 1; l < na; ++l, ++t) {
+          if (t % G != g) continue;
+          const scalar_t* e2 = data + kEdgeFields * (e0 + l);
+          const Triple<scalar_t> tr(e1, e2);
+          const scalar_t fcc = e1[kFcA] * e2[kFcA];
+          scalar_t* out = row + k.radial_len + pair_index(s1, nspec[e0 + l], k.S) * k.AZ;
+          for (int64_t f = lane; f < k.AZ; f += kWarp) {
+            // 2 ((1 + cos(acos(0.95 cos t) - ts)) / 2)^zeta, with
+            // cos(acos(c) - ts) = c cos(ts) + sqrt(1 - c^2) sin(ts).
+            const scalar_t cdev = tr.c * c.cos_z[f] + tr.sin_c * c.sin_z[f];
+            const scalar_t f1 =
+                scalar_t(2) * cuda::dpow((scalar_t(1) + cdev) / scalar_t(2), c.zeta[f]);
+            const scalar_t x = tr.mean_r - c.shf_a[f];
+            const scalar_t f2 = cuda::dexp(-c.eta_a[f] * x * x) * fcc;
+            out[f] += f2 * f1;
+          }
+        }
+      }
+    }
+    __syncthreads();
+    // Sum the G partial rows of each atom in a fixed order and store the row.
+    const int64_t mine = first + threadIdx.x / (G * kWarp);
+    if (threadIdx.x < apb * G * kWarp && mine < N) {
+      const int64_t s_m = species[mine];
+      const bool bad = failed || s_m < -1 || s_m >= k.S;
+      const scalar_t* part = rows + static_cast<int64_t>(threadIdx.x / (G * kWarp)) * G * k.F;
+      for (int64_t f = threadIdx.x % (G * kWarp); f < k.F; f += G * kWarp) {
+        scalar_t v = part[f];
+        for (int h = 1; h < G; ++h) v += part[h * k.F + f];
+        aev[mine * k.F + f] = bad ? nan : v;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Backward
+
+template <typename scalar_t>
+__global__ void backward_kernel(Params<scalar_t> k, int64_t N, int G, int64_t E,
+                                const int64_t* __restrict__ species,
+                                const int64_t* __restrict__ start,
+                                const int64_t* __restrict__ ang_count,
+                                const scalar_t* __restrict__ data,
+                                const int32_t* __restrict__ nspec,
+                                const int64_t* __restrict__ err,
+                                const scalar_t* __restrict__ grad_aev,
+                                scalar_t* __restrict__ grad_edge) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const SharedConsts<scalar_t> c(k, reinterpret_cast<scalar_t*>(smem_raw));
+  scalar_t* grows = c.end(k);
+  __syncthreads();
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int apb = blockDim.x / kWarp / G;
+  const int la = warp / G, g = warp % G;
+  const scalar_t* grow = grows + static_cast<int64_t>(la) * k.F;
+  // This warp's copy of the half-edge gradients.
+  scalar_t* ge = grad_edge + static_cast<int64_t>(g) * E * 3;
+  const bool failed = err[0] != 0;
+
+  for (int64_t first = blockIdx.x * int64_t(apb); first < N; first += int64_t(gridDim.x) * apb) {
+    const int64_t i = first + la;
+    // Stage this atom's incoming gradient row (all G warps of the atom help).
+    if (i < N)
+      for (int64_t f = g * kWarp + lane; f < k.F; f += G * kWarp)
+        grows[static_cast<int64_t>(la) * k.F + f] = grad_aev[i * k.F + f];
+    __syncthreads();
+    const int64_t s_i = i < N ? species[i] : -1;
+    if (!failed && s_i >= 0 && s_i < k.S) {
+      const int64_t e0 = start[i], ne = start[i + 1] - e0, na = ang_count[i];
+      for (int64_t q = g; q < ne; q += G) {
+        const scalar_t* e = data + kEdgeFields * (e0 + q);
+        const scalar_t r = e[kR], fc = e[kFcR], dfc = e[kDfcR];
+        const scalar_t* gs = grow + static_cast<int64_t>(nspec[e0 + q]) * k.R;
+        scalar_t part = 0;
+        for (int64_t s = lane; s < k.R; s += kWarp) {
+          const scalar_t x = r - c.shf_r[s];
+          const scalar_t ex = scalar_t(0.25) * cuda::dexp(-c.eta_r[s] * x * x);
+          part += gs[s] * ex * (dfc - scalar_t(2) * c.eta_r[s] * x * fc);
+        }
+        const scalar_t dr = warp_sum(part);
+        // Coincident atoms: the direction is undefined, no gradient.
+        if (r > scalar_t(0) && lane < 3) ge[3 * (e0 + q) + lane] += dr * e[kVx + lane] / r;
+      }
+      int64_t t = 0;
+      for (int64_t j = 0; j < na; ++j) {
+        const scalar_t* e1 = data + kEdgeFields * (e0 + j);
+        const int32_t s1 = nspec[e0 + j];
+        scalar_t acc0 = 0, acc1 = 0, acc2 = 0;  // gradient of half edge j
+        for (int64_t l = j + 1; l < na; ++l, ++t) {
+          if (t % G != g) continue;
+          const scalar_t* e2 = data + kEdgeFields * (e0 + l);
+          const Triple<scalar_t> tr(e1, e2);
+          const scalar_t* gs = grow + k.radial_len + pair_index(s1, nspec[e0 + l], k.S) * k.AZ;
+          scalar_t s_val = 0, s_dc = 0, s_dm = 0;
+          for (int64_t f = lane; f < k.AZ; f += kWarp) {
+            const scalar_t cdev = tr.c * c.cos_z[f] + tr.sin_c * c.sin_z[f];
+            const scalar_t base = (scalar_t(1) + cdev) / scalar_t(2);
+            const scalar_t f1 = scalar_t(2) * cuda::dpow(base, c.zeta[f]);
+            // d cos(acos(c) - ts)/dc = cos(ts) - c / sqrt(1 - c^2) * sin(ts)
+            const scalar_t dcdev = c.cos_z[f] - tr.c / tr.sin_c * c.sin_z[f];
+            const scalar_t df1 = c.zeta[f] * cuda::dpow(base, c.zeta[f] - scalar_t(1)) * dcdev;
+            const scalar_t x = tr.mean_r - c.shf_a[f];
+            const scalar_t f2 = cuda::dexp(-c.eta_a[f] * x * x);
+            const scalar_t df2 = scalar_t(-2) * c.eta_a[f] * x * f2;
+            const scalar_t gf = gs[f];
+            s_val += gf * f1 * f2;
+            s_dm += gf * f1 * df2;
+            s_dc += gf * df1 * f2;
+          }
+          s_val = warp_sum(s_val);
+          s_dm = warp_sum(s_dm);
+          s_dc = warp_sum(s_dc);
+          const scalar_t fc1 = e1[kFcA], fc2 = e2[kFcA];
+          const scalar_t fcc = fc1 * fc2;
+          // d/d(cos_raw) through c = 0.95 cos_raw; d/dr_i through the mean
+          // distance (factor 1/2) and through the cutoff of that neighbour.
+          const scalar_t d_cos = scalar_t(0.95) * fcc * s_dc;
+          const scalar_t d_r1 = scalar_t(0.5) * fcc * s_dm + s_val * e1[kDfcA] * fc2;
+          const scalar_t d_r2 = scalar_t(0.5) * fcc * s_dm + s_val * fc1 * e2[kDfcA];
+          const scalar_t r1 = e1[kR], r2 = e2[kR];
+          scalar_t g1[3], g2[3];
+          if (tr.clamped) {
+            const scalar_t inv = scalar_t(1e10);
+            for (int d = 0; d < 3; ++d) {
+              g1[d] = d_cos * e2[kVx + d] * inv;
+              g2[d] = d_cos * e1[kVx + d] * inv;
+            }
+          } else {
+            const scalar_t inv = scalar_t(1) / (r1 * r2);
+            for (int d = 0; d < 3; ++d) {
+              g1[d] = d_cos * (e2[kVx + d] * inv - tr.cos_raw * e1[kVx + d] / (r1 * r1));
+              g2[d] = d_cos * (e1[kVx + d] * inv - tr.cos_raw * e2[kVx + d] / (r2 * r2));
+            }
+          }
+          if (r1 > scalar_t(0))
+            for (int d = 0; d < 3; ++d) g1[d] += d_r1 * e1[kVx + d] / r1;
+          if (r2 > scalar_t(0))
+            for (int d = 0; d < 3; ++d) g2[d] += d_r2 * e2[kVx + d] / r2;
+          acc0 += g1[0];
+          acc1 += g1[1];
+          acc2 += g1[2];
+          if (lane < 3) ge[3 * (e0 + l) + lane] += lane == 0 ? g2[0] : lane == 1 ? g2[1] : g2[2];
+        }
+        if (lane < 3) ge[3 * (e0 + j) + lane] += lane == 0 ? acc0 : lane == 1 ? acc1 : acc2;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Back from half edges to pairs: the centre-to-neighbour vector is -diff for
+// the half edge owned by i0 and +diff for the one owned by i1.
+template <typename scalar_t>
+__global__ void gather_kernel(int64_t P, int64_t E, int G, const uint8_t* __restrict__ keep,
+                              const int64_t* __restrict__ pair_edge,
+                              const scalar_t* __restrict__ grad_edge,
+                              scalar_t* __restrict__ grad_diff) {
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < P;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    scalar_t out[3] = {0, 0, 0};
+    if (keep[p] != 0) {
+      const int64_t a = pair_edge[2 * p], b = pair_edge[2 * p + 1];
+      for (int d = 0; d < 3; ++d) {
+        scalar_t ga = 0, gb = 0;
+        for (int h = 0; h < G; ++h) {
+          ga += grad_edge[(h * E + a) * 3 + d];
+          gb += grad_edge[(h * E + b) * 3 + d];
+        }
+        out[d] = gb - ga;
+      }
+    }
+    for (int d = 0; d < 3; ++d) grad_diff[3 * p + d] = out[d];
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Entry points
+
+void check_devices(const char* op, const at::Tensor& species, const at::Tensor& pairs,
+                   const at::Tensor& diff, const AEVParams& p) {
+  const at::Device device = diff.device();
+  cuda::check_same_device(op, "species", species, device);
+  cuda::check_same_device(op, "pairs", pairs, device);
+  cuda::check_same_device(op, "radial_eta", p.radial_eta, device);
+  cuda::check_same_device(op, "radial_shifts", p.radial_shifts, device);
+  cuda::check_same_device(op, "angular_eta", p.angular_eta, device);
+  cuda::check_same_device(op, "angular_zeta", p.angular_zeta, device);
+  cuda::check_same_device(op, "angular_shifts", p.angular_shifts, device);
+  cuda::check_same_device(op, "angular_sections", p.angular_sections, device);
+}
+
+int64_t aev_length(const AEVParams& p) {
+  const int64_t S = p.num_species;
+  return S * p.radial_shifts.numel() +
+         S * (S + 1) / 2 * p.angular_shifts.numel() * p.angular_sections.numel();
+}
+
+}  // namespace
+
+at::Tensor aev_forward_cuda(const at::Tensor& species, const at::Tensor& pairs,
+                            const at::Tensor& diff_vectors, const AEVParams& p) {
+  const char* op = "torchani_fast::aev";
+  check_aev_inputs(op, species, pairs, diff_vectors, p);
+  check_devices(op, species, pairs, diff_vectors, p);
+  c10::cuda::CUDAGuard guard(diff_vectors.device());
+  auto sp = species.to(at::kLong).contiguous();
+  auto pr = pairs.to(at::kLong).contiguous();
+  auto diff = diff_vectors.contiguous();
+  std::vector<int64_t> out_shape(species.sizes().begin(), species.sizes().end());
+  out_shape.push_back(aev_length(p));
+  auto aev = at::empty(out_shape, diff.options());
+  const int64_t N = sp.numel();
+  if (N == 0) return aev;
+  AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_forward_cuda", [&] {
+    ParamTensors<scalar_t> pt(p, diff.scalar_type());
+    const auto& k = pt.p;
+    Edges h = build_edges(k, sp, pr, diff);
+    const Geometry geo = make_geometry(k, N, /*forward=*/true);
+    reserve_smem(op, forward_kernel<scalar_t>, geo.smem, k.F);
+    forward_kernel<scalar_t><<<static_cast<unsigned int>(geo.blocks), geo.threads, geo.smem,
+                               at::cuda::getCurrentCUDAStream()>>>(
+        k, N, geo.G, sp.data_ptr<int64_t>(), h.start.data_ptr<int64_t>(),
+        h.ang_count.data_ptr<int64_t>(), h.data.data_ptr<scalar_t>(),
+        h.nspec.data_ptr<int32_t>(), h.err.data_ptr<int64_t>(), aev.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return aev;
+}
+
+at::Tensor aev_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& species,
+                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
+                             const AEVParams& p) {
+  const char* op = "torchani_fast::aev_backward";
+  check_aev_inputs(op, species, pairs, diff_vectors, p);
+  check_devices(op, species, pairs, diff_vectors, p);
+  cuda::check_same_device(op, "grad_aev", grad_aev, diff_vectors.device());
+  TORCH_CHECK(grad_aev.numel() == species.numel() * aev_length(p), op,
+              ": grad_aev must have shape species.shape + (", aev_length(p), ",), got ",
+              grad_aev.sizes());
+  c10::cuda::CUDAGuard guard(diff_vectors.device());
+  auto sp = species.to(at::kLong).contiguous();
+  auto pr = pairs.to(at::kLong).contiguous();
+  auto diff = diff_vectors.contiguous();
+  auto g = grad_aev.to(diff.scalar_type()).contiguous();
+  const int64_t N = sp.numel(), P = pr.size(1);
+  auto grad_diff = at::empty({P, 3}, diff.options());
+  if (P == 0) return grad_diff;
+  if (N == 0) return grad_diff.zero_();
+  AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_backward_cuda", [&] {
+    ParamTensors<scalar_t> pt(p, diff.scalar_type());
+    const auto& k = pt.p;
+    Edges h = build_edges(k, sp, pr, diff);
+    const Geometry geo = make_geometry(k, N, /*forward=*/false);
+    auto grad_edge = at::zeros({geo.G, h.E, 3}, diff.options());
+    auto stream = at::cuda::getCurrentCUDAStream();
+    reserve_smem(op, backward_kernel<scalar_t>, geo.smem, k.F);
+    backward_kernel<scalar_t><<<static_cast<unsigned int>(geo.blocks), geo.threads, geo.smem,
+                                stream>>>(
+        k, N, geo.G, h.E, sp.data_ptr<int64_t>(), h.start.data_ptr<int64_t>(),
+        h.ang_count.data_ptr<int64_t>(), h.data.data_ptr<scalar_t>(),
+        h.nspec.data_ptr<int32_t>(), h.err.data_ptr<int64_t>(), g.data_ptr<scalar_t>(),
+        grad_edge.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gather_kernel<scalar_t><<<cuda::grid_for(P, kThreads), kThreads, 0, stream>>>(
+        P, h.E, geo.G, h.keep.data_ptr<uint8_t>(), h.pair_edge.data_ptr<int64_t>(),
+        grad_edge.data_ptr<scalar_t>(), grad_diff.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return grad_diff;
+}
+
+}  // namespace torchani_fast

@@ -1,0 +1,500 @@
+"""CUDA kernels against the CPU kernels and TorchANI, plus CUDA graphs and streams.
+
+Every case that needs a GPU is marked ``requires_cuda`` and skips cleanly on a
+machine without one; the fixed-capacity neighbour op also runs on the CPU.
+Models use the ANI-2x architecture with random weights (seeded), so nothing
+here needs the pretrained files: the same tests run on a bare GPU machine.
+"""
+import math
+
+import pytest
+import torch
+
+import torchani
+import torchani_fast
+from torchani_fast import ops
+from torchani_fast.aev import AEVComputer, NeighborList
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+DTYPES = [torch.float32, torch.float64]
+CUTOFF = 5.2
+
+# ---------------------------------------------------------------------------
+# Systems and models
+
+
+def ani2x_random(seed=0):
+    """The ANI-2x architecture (AEV, 8 x 7 networks, self energies) with random weights."""
+    from torchani.arch import Assembler
+    from torchani.models import SYMBOLS_2X
+
+    asm = Assembler(periodic_table_index=True)
+    asm.set_symbols(SYMBOLS_2X)
+    asm.set_global_cutoff_fn("cosine")
+    asm.set_aev_computer(radial="ani2x", angular="ani2x", strategy="pyaev")
+    asm.set_atomic_networks(ctor="ani2x")
+    asm.set_neighborlist("all_pairs")
+    asm.set_gsaes_as_self_energies("wb97x-631gd")
+    with torch.random.fork_rng():  # leave the global RNG of other tests alone
+        torch.manual_seed(seed)
+        model = asm.assemble(8)
+    model.requires_grad_(False)
+    return model.to(torch.float64)
+
+
+_MODEL = {}
+
+
+def random_model():
+    if "m" not in _MODEL:
+        _MODEL["m"] = ani2x_random()
+    import copy
+
+    return copy.deepcopy(_MODEL["m"])
+
+
+def molecule(n=46, seed=0):
+    """A compact molecule-like cluster: jittered grid points 1.4 A apart, HCNOSFCl."""
+    g = torch.Generator().manual_seed(seed)
+    k = math.ceil((3 * n) ** (1 / 3)) + 2
+    r = torch.arange(k, dtype=torch.float64) * 1.4
+    grid = torch.stack(torch.meshgrid(r, r, r, indexing="ij"), -1).view(-1, 3)
+    grid = grid - grid.mean(0)
+    pos = grid[grid.norm(dim=1).argsort()[:n]]
+    pos = pos + 0.15 * torch.randn(pos.shape, generator=g, dtype=torch.float64)
+    numbers = torch.tensor([1, 6, 7, 8, 16, 9, 17])
+    weights = torch.tensor([10.0, 6.0, 2.0, 2.0, 0.5, 0.5, 0.5])
+    z = numbers[torch.multinomial(weights, n, replacement=True, generator=g)]
+    return z.unsqueeze(0), pos.unsqueeze(0)
+
+
+def water_box(n_molecules, seed=0, density=0.0334):
+    """Periodic liquid-water-like box: (numbers (1, 3n), coords (1, 3n, 3), cell, pbc)."""
+    g = torch.Generator().manual_seed(seed)
+    length = (n_molecules / density) ** (1 / 3)
+    k = math.ceil(n_molecules ** (1 / 3))
+    r = (torch.arange(k, dtype=torch.float64) + 0.5) * (length / k)
+    sites = torch.stack(torch.meshgrid(r, r, r, indexing="ij"), -1).view(-1, 3)[:n_molecules]
+    oxygen = sites + 0.2 * torch.randn(sites.shape, generator=g, dtype=torch.float64)
+    # Random orientations of an H-O-H of 0.9572 A and 104.5 degrees.
+    q = torch.randn(n_molecules, 4, generator=g, dtype=torch.float64)
+    q = q / q.norm(dim=1, keepdim=True)
+    w, x, y, zq = q.unbind(1)
+    rot = torch.stack([
+        1 - 2 * (y * y + zq * zq), 2 * (x * y - zq * w), 2 * (x * zq + y * w),
+        2 * (x * y + zq * w), 1 - 2 * (x * x + zq * zq), 2 * (y * zq - x * w),
+        2 * (x * zq - y * w), 2 * (y * zq + x * w), 1 - 2 * (x * x + y * y),
+    ], 1).view(-1, 3, 3)
+    half = math.radians(104.5) / 2
+    local = 0.9572 * torch.tensor([[math.sin(half), math.cos(half), 0.0],
+                                   [-math.sin(half), math.cos(half), 0.0]], dtype=torch.float64)
+    hydrogens = oxygen.unsqueeze(1) + torch.einsum("nij,hj->nhi", rot, local)
+    coords = torch.cat([oxygen.unsqueeze(1), hydrogens], 1).view(1, -1, 3)
+    numbers = torch.tensor([8, 1, 1]).repeat(n_molecules).unsqueeze(0)
+    cell = torch.eye(3, dtype=torch.float64) * length
+    return numbers, coords, cell, torch.tensor([True, True, True])
+
+
+def padded_batch():
+    """Three molecules of 46, 30 and 12 atoms padded to 46 with -1."""
+    zs, xs = [], []
+    for n, seed in ((46, 1), (30, 2), (12, 3)):
+        z, x = molecule(n, seed)
+        zs.append(torch.nn.functional.pad(z, (0, 46 - n), value=-1))
+        xs.append(torch.nn.functional.pad(x, (0, 0, 0, 46 - n)))
+    return torch.cat(zs), torch.cat(xs)
+
+
+def elem_idxs(numbers):
+    return random_model().species_converter(numbers)
+
+
+def systems():
+    """name -> (elem_idxs, coords, cell, pbc) in float64 on the CPU."""
+    out = {}
+    z, x = molecule()
+    out["molecule46"] = (elem_idxs(z), x, None, None)
+    z, x = padded_batch()
+    out["padded_batch"] = (elem_idxs(z), x, None, None)
+    z, x, cell, pbc = water_box(64)
+    out["water192"] = (elem_idxs(z), x, cell, pbc)
+    # Triclinic, partly periodic, coordinates outside the cell.
+    z, x, cell, pbc = water_box(40, seed=3)
+    cell = cell.clone()
+    cell[1, 0] = 0.3 * cell[0, 0]
+    cell[2, 1] = -0.2 * cell[1, 1]
+    out["triclinic_xy"] = (elem_idxs(z), x + 2.0, cell, torch.tensor([True, True, False]))
+    # An atom a hair below a cell face (its wrapped coordinate rounds to 1).
+    z, x, cell, pbc = water_box(8, seed=5)
+    x = x.clone()
+    x[0, 0, 0] = -1e-17
+    out["hair_below_face"] = (elem_idxs(z), x, cell, pbc)
+    # A cell smaller than the cutoff: several images of every atom.
+    z, x, cell, pbc = water_box(2, seed=4)
+    out["tiny_cell"] = (elem_idxs(z), x, cell, pbc)
+    return out
+
+
+SYSTEMS = systems()
+
+
+def to(system, device, dtype):
+    species, coords, cell, pbc = system
+    return (species.to(device), coords.to(device, dtype),
+            None if cell is None else cell.to(device, dtype),
+            None if pbc is None else pbc.to(device))
+
+
+def pair_set(pairs, images):
+    """Canonical, order-free form of a pair list (each pair as i <= j)."""
+    rows = []
+    for (i, j), img in zip(pairs.t().tolist(), images.round().long().tolist()):
+        if i < 0:
+            continue
+        rows.append((i, j, *img))
+    return sorted(rows)
+
+
+def aev_args(aev_computer, device, dtype):
+    r, a = aev_computer.radial, aev_computer.angular
+    consts = [t.to(device, dtype) for t in (r.eta, r.shifts, a.eta, a.zeta, a.shifts, a.sections)]
+    return consts + [float(r.cutoff), float(a.cutoff), aev_computer.num_species]
+
+
+def diff_vectors(coords, cell, pairs, images):
+    flat = coords.reshape(-1, 3)
+    safe = pairs.clamp(min=0)
+    d = flat[safe[0]] - flat[safe[1]]
+    if cell is not None:
+        d = d + images @ cell
+    return d
+
+
+# ---------------------------------------------------------------------------
+# Build
+
+
+@requires_cuda
+def test_extension_has_cuda_kernels():
+    for name in ("neighbor_pairs", "neighbor_pairs_padded", "aev", "aev_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torchani_fast::{name}", "CUDA"), (
+            f"torchani_fast::{name} has no CUDA kernel: rebuild with TORCHANI_FAST_CUDA=1"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Neighbour search
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell_list", [False, True])
+@pytest.mark.parametrize("name", list(SYSTEMS))
+def test_neighbor_pairs_cuda_matches_cpu(name, cell_list, dtype):
+    cpu = to(SYSTEMS[name], "cpu", dtype)
+    gpu = to(SYSTEMS[name], "cuda", dtype)
+    p_cpu, i_cpu = ops.neighbor_pairs(*cpu, CUTOFF, cell_list)
+    p_gpu, i_gpu = ops.neighbor_pairs(*gpu, CUTOFF, cell_list)
+    assert p_gpu.device.type == "cuda" and p_gpu.dtype == torch.long and i_gpu.dtype == dtype
+    assert pair_set(p_gpu.cpu(), i_gpu.cpu()) == pair_set(p_cpu, i_cpu)
+    # Grouped by first atom, and the same bits on a second call.
+    assert bool((p_gpu[0, 1:] >= p_gpu[0, :-1]).all())
+    p2, i2 = ops.neighbor_pairs(*gpu, CUTOFF, cell_list)
+    assert torch.equal(p2, p_gpu) and torch.equal(i2, i_gpu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["padded_batch", "water192", "tiny_cell"])
+def test_neighbor_pairs_padded(device, name):
+    species, coords, cell, pbc = to(SYSTEMS[name], device, torch.float64)
+    exact, exact_images = ops.neighbor_pairs(species, coords, cell, pbc, CUTOFF, True)
+    n = exact.shape[1]
+    for capacity in (n + 37, n, n // 2):
+        pairs, images, num = ops.neighbor_pairs_padded(
+            species, coords, cell, pbc, CUTOFF, True, capacity)
+        assert pairs.shape == (2, capacity) and images.shape == (capacity, 3)
+        assert num.shape == () and int(num) == n
+        kept = min(n, capacity)
+        assert torch.equal(pairs[:, :kept], exact[:, :kept])
+        assert torch.equal(images[:kept], exact_images[:kept])
+        assert bool((pairs[:, kept:] == -1).all()) and bool((images[kept:] == 0).all())
+        if capacity >= n:
+            assert ops.check_num_pairs(num, capacity) == n
+        else:
+            with pytest.raises(RuntimeError, match="do not fit in max_pairs"):
+                ops.check_num_pairs(num, capacity)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_neighbor_pairs_padded_opcheck(device):
+    species, coords, cell, pbc = to(SYSTEMS["water192"], device, torch.float64)
+    torch.library.opcheck(torch.ops.torchani_fast.neighbor_pairs_padded.default,
+                          (species, coords, cell, pbc, CUTOFF, True, 5000))
+    torch.library.opcheck(torch.ops.torchani_fast.neighbor_pairs_padded.default,
+                          (species, coords, None, None, CUTOFF, False, 100))
+
+
+@requires_cuda
+def test_neighbor_errors_cuda():
+    species, coords, cell, pbc = to(SYSTEMS["water192"], "cuda", torch.float64)
+    bad = coords.clone()
+    bad[0, 5, 1] = float("nan")
+    with pytest.raises(RuntimeError, match="coords must be finite.*atom 5 of molecule 0"):
+        ops.neighbor_pairs(species, bad, cell, pbc, CUTOFF, True)
+    _, _, num = ops.neighbor_pairs_padded(species, bad, cell, pbc, CUTOFF, True, 100)
+    assert int(num) == -1
+    singular = cell.clone()
+    singular[2] = singular[0]
+    with pytest.raises(RuntimeError, match="cell is singular"):
+        ops.neighbor_pairs(species, coords, singular, pbc, CUTOFF, True)
+    pairs, _, num = ops.neighbor_pairs_padded(species, coords, singular, pbc, CUTOFF, True, 100)
+    assert int(num) == -2 and bool((pairs == -1).all())
+    with pytest.raises(RuntimeError, match="cell must be on cuda"):
+        ops.neighbor_pairs(species, coords, cell.cpu(), pbc, CUTOFF, True)
+
+
+# ---------------------------------------------------------------------------
+# AEV
+
+
+def _aev_inputs(name, dtype, device, extra_invalid=False):
+    model = random_model()
+    species, coords, cell, pbc = to(SYSTEMS[name], "cpu", dtype)
+    pairs, images = ops.neighbor_pairs(species, coords, cell, pbc, CUTOFF, True)
+    if extra_invalid:  # unused slots of a fixed-capacity list
+        pairs = torch.cat([pairs, torch.full((2, 17), -1)], 1)
+        images = torch.cat([images, torch.zeros(17, 3, dtype=dtype)])
+    diff = diff_vectors(coords, cell, pairs, images)
+    args = aev_args(model.aev_computer, device, dtype)
+    return species.to(device), pairs.to(device), diff.to(device), args
+
+
+def _tol(dtype):
+    return dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-6)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(SYSTEMS))
+def test_aev_cuda_matches_cpu(name, dtype):
+    species, pairs, diff, args = _aev_inputs(name, dtype, "cuda", extra_invalid=True)
+    a_gpu = ops.aev(species, pairs, diff, *args)
+    a_cpu = ops.aev(species.cpu(), pairs.cpu(), diff.cpu(), *[
+        t.cpu() if isinstance(t, torch.Tensor) else t for t in args])
+    torch.testing.assert_close(a_gpu.cpu(), a_cpu, **_tol(dtype))
+    g = torch.randn(a_cpu.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    gd_gpu = ops.aev_backward(g.cuda(), species, pairs, diff, *args)
+    gd_cpu = ops.aev_backward(g, species.cpu(), pairs.cpu(), diff.cpu(), *[
+        t.cpu() if isinstance(t, torch.Tensor) else t for t in args])
+    scale = gd_cpu.abs().max().item()
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(gd_gpu.cpu(), gd_cpu, rtol=tol, atol=tol * scale)
+
+
+@requires_cuda
+@pytest.mark.parametrize("n_molecules", [30, 100, 400, 1400])
+def test_aev_cuda_all_launch_shapes(n_molecules):
+    """90 to 4200 atoms: every warps-per-atom setting (8, 4, 2, 1) against the CPU."""
+    model = random_model()
+    z, x, cell, pbc = water_box(n_molecules, seed=n_molecules)
+    species = elem_idxs(z)
+    pairs, images = ops.neighbor_pairs(species, x, cell, pbc, CUTOFF, True)
+    diff = diff_vectors(x, cell, pairs, images)
+    args_cpu = aev_args(model.aev_computer, "cpu", torch.float64)
+    args_gpu = aev_args(model.aev_computer, "cuda", torch.float64)
+    a_cpu = ops.aev(species, pairs, diff, *args_cpu)
+    a_gpu = ops.aev(species.cuda(), pairs.cuda(), diff.cuda(), *args_gpu)
+    torch.testing.assert_close(a_gpu.cpu(), a_cpu, rtol=1e-10, atol=1e-12)
+    g = torch.randn(a_cpu.shape, dtype=torch.float64)
+    gd_cpu = ops.aev_backward(g, species, pairs, diff, *args_cpu)
+    gd_gpu = ops.aev_backward(g.cuda(), species.cuda(), pairs.cuda(), diff.cuda(), *args_gpu)
+    torch.testing.assert_close(gd_gpu.cpu(), gd_cpu, rtol=1e-10, atol=1e-10)
+
+
+@requires_cuda
+def test_aev_cuda_deterministic():
+    species, pairs, diff, args = _aev_inputs("water192", torch.float32, "cuda")
+    g = torch.randn(species.shape + (1008,), device="cuda")
+    first = ops.aev(species, pairs, diff, *args), ops.aev_backward(g, species, pairs, diff, *args)
+    for _ in range(3):
+        again = ops.aev(species, pairs, diff, *args), ops.aev_backward(g, species, pairs, diff, *args)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+@requires_cuda
+def test_aev_cuda_input_forms():
+    """int32 species and pairs, non-contiguous diff vectors, empty pair list."""
+    species, pairs, diff, args = _aev_inputs("molecule46", torch.float64, "cuda")
+    ref = ops.aev(species, pairs, diff, *args)
+    strided = torch.cat([diff, diff], 1)[:, :3]
+    assert not strided.is_contiguous()
+    out = ops.aev(species.int(), pairs.int(), strided, *args)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    empty = ops.aev(species, pairs[:, :0], diff[:0], *args)
+    assert empty.shape == ref.shape and bool((empty == 0).all())
+    assert ops.aev_backward(torch.ones_like(ref), species, pairs[:, :0], diff[:0], *args).shape == (0, 3)
+
+
+@requires_cuda
+def test_aev_cuda_invalid_values_poison():
+    """Errors the CPU raises for need a sync on CUDA, so they give NaN instead."""
+    species, pairs, diff, args = _aev_inputs("molecule46", torch.float64, "cuda")
+    bad_species = species.clone()
+    bad_species[0, 3] = 7  # ANI-2x has 7 elements: 0..6
+    out = ops.aev(bad_species, pairs, diff, *args)
+    assert bool(out[0, 3].isnan().all()) and not bool(out[0, 4].isnan().any())
+    bad_pairs = pairs.clone()
+    bad_pairs[1, 0] = species.numel()
+    assert bool(ops.aev(species, bad_pairs, diff, *args).isnan().all())
+    with pytest.raises(RuntimeError, match="radial_eta must be on cuda"):
+        ops.aev(species, pairs, diff, args[0].cpu(), *args[1:])
+    with pytest.raises(RuntimeError, match="species must be on cuda"):
+        ops.aev(species.cpu(), pairs, diff, *args)
+
+
+@requires_cuda
+def test_aev_gradcheck_cuda():
+    species, pairs, diff, args = _aev_inputs("tiny_cell", torch.float64, "cuda")
+    diff = diff.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda d: ops.aev(species, pairs, d, *args), (diff,),
+                                    eps=1e-6, atol=1e-5, rtol=1e-4)
+    torch.library.opcheck(torch.ops.torchani_fast.aev.default, (species, pairs, diff, *args))
+
+
+@requires_cuda
+def test_coords_and_cell_gradcheck_cuda():
+    """Forces and stress: gradients through the neighbour list to coords and cell."""
+    model = random_model()
+    aevc = AEVComputer.from_torchani(model.aev_computer).cuda()
+    species, coords, cell, pbc = to(SYSTEMS["tiny_cell"], "cuda", torch.float64)
+    w = torch.randn(1008, dtype=torch.float64, device="cuda")
+
+    def energy(x, c):
+        return (aevc(species, x, c, pbc) @ w).sum()
+
+    x = coords.clone().requires_grad_(True)
+    c = cell.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(energy, (x, c), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# Whole models: CUDA against TorchANI
+
+
+def _energy_forces(model, species, coords, cell=None, pbc=None):
+    x = coords.detach().clone().requires_grad_(True)
+    e = model((species, x), cell=cell, pbc=pbc).energies
+    (g,) = torch.autograd.grad(e.sum(), x)
+    return e.detach(), -g
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["molecule46", "padded_batch", "water192", "water_triclinic"])
+def test_energy_forces_cuda_vs_torchani(kind, dtype):
+    ref = random_model()
+    if kind == "molecule46":
+        z, x = molecule()
+        cell = pbc = None
+    elif kind == "padded_batch":
+        z, x = padded_batch()
+        cell = pbc = None
+    else:
+        z, x, cell, pbc = water_box(64, seed=7)
+        if kind == "water_triclinic":
+            cell = cell.clone()
+            cell[1, 0] = 0.25 * cell[0, 0]
+    # Reference: TorchANI's own pure-PyTorch path in float64 on the CPU.
+    e_ref, f_ref = _energy_forces(ref, z, x, cell, pbc)
+    fast = torchani_fast.patch(random_model()).to("cuda", dtype)
+    e, f = _energy_forces(fast, z.cuda(), x.to("cuda", dtype),
+                          None if cell is None else cell.to("cuda", dtype),
+                          None if pbc is None else pbc.cuda())
+    if dtype == torch.float64:
+        torch.testing.assert_close(e.cpu(), e_ref, rtol=0, atol=1e-9)
+        torch.testing.assert_close(f.cpu(), f_ref, rtol=0, atol=1e-8)
+    else:
+        torch.testing.assert_close(e.cpu().double(), e_ref, rtol=1e-6, atol=2e-4)
+        fs = f_ref.abs().max().item()
+        torch.testing.assert_close(f.cpu().double(), f_ref, rtol=1e-4, atol=1e-4 * fs)
+    # And the same model on the CPU agrees with the CUDA one.
+    if dtype == torch.float64:
+        e_cpu, f_cpu = _energy_forces(torchani_fast.patch(random_model()), z, x, cell, pbc)
+        torch.testing.assert_close(e.cpu(), e_cpu, rtol=0, atol=1e-10)
+        torch.testing.assert_close(f.cpu(), f_cpu, rtol=0, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------
+# CUDA graphs and streams
+
+
+def _aev_energy_step(max_pairs, dtype, name="water192"):
+    """A sync-free energy + forces step: padded neighbour list, AEV, linear head."""
+    model = random_model()
+    nl = NeighborList("cell_list", max_pairs=max_pairs)
+    aevc = AEVComputer.from_torchani(model.aev_computer, nl).to("cuda", dtype)
+    species, coords, cell, pbc = to(SYSTEMS[name], "cuda", dtype)
+    head = torch.nn.Linear(aevc.out_dim, 1).to("cuda", dtype)
+
+    def step(x):
+        e = head(aevc(species, x, cell, pbc)).sum()
+        (g,) = torch.autograd.grad(e, x)
+        return e.detach(), -g
+
+    return step, coords, nl
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_graph_capture(dtype):
+    step, coords, nl = _aev_energy_step(max_pairs=20000, dtype=dtype)
+    static_x = coords.clone().requires_grad_(True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch requires
+        for _ in range(2):
+            step(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        e_static, f_static = step(static_x)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for _ in range(3):
+        new = coords + 0.05 * torch.randn(coords.shape, device="cuda", dtype=dtype, generator=g)
+        with torch.no_grad():
+            static_x.copy_(new)
+        graph.replay()
+        e_eager, f_eager = step(new.clone().requires_grad_(True))
+        torch.testing.assert_close(e_static, e_eager, rtol=0, atol=0)
+        torch.testing.assert_close(f_static, f_eager, rtol=0, atol=0)
+        assert 0 < nl.check_capacity() <= 20000  # the count of the replay, read back explicitly
+
+
+@requires_cuda
+def test_cuda_graph_overflow_is_reported():
+    step, coords, nl = _aev_energy_step(max_pairs=100, dtype=torch.float32)
+    step(coords.clone().requires_grad_(True))
+    with pytest.raises(RuntimeError, match="do not fit in max_pairs=100"):
+        nl.check_capacity()
+
+
+@requires_cuda
+def test_non_default_stream():
+    fast = torchani_fast.patch(random_model()).to("cuda", torch.float32)
+    z, x, cell, pbc = water_box(64, seed=11)
+    args = (z.cuda(), x.to("cuda", torch.float32), cell.to("cuda", torch.float32), pbc.cuda())
+    e_ref, f_ref = _energy_forces(fast, *args)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        # A busy stream: if a kernel ran on the default stream it would race with this.
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(4):
+            big = big @ big / 64
+        e, f = _energy_forces(fast, *args)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(e, e_ref, rtol=0, atol=0)
+    torch.testing.assert_close(f, f_ref, rtol=0, atol=0)

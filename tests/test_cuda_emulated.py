@@ -1,0 +1,164 @@
+"""The CUDA kernels' own source, run on the CPU by a small emulator, against the CPU ops.
+
+No GPU needed: tests/cuda_emulation/ compiles kernels/*.cu as host C++ with one
+OS thread per CUDA thread and real barriers for __syncthreads, __syncwarp and
+warp shuffles (see emu_runtime.h). This checks the kernels' logic (indexing,
+layouts, synchronisation, padding, error encoding), not the device compiler,
+timing or memory model. It takes minutes (a compile, then thousands of threads
+per launch), so it runs only when TORCHANI_FAST_EMULATE_CUDA=1.
+"""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchani_fast import ops
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TORCHANI_FAST_EMULATE_CUDA") != "1",
+    reason="set TORCHANI_FAST_EMULATE_CUDA=1 to run the CUDA kernels in the CPU emulator",
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_cuda import (  # noqa: E402
+    CUTOFF, SYSTEMS, aev_args, diff_vectors, pair_set, random_model, to,
+)
+
+DTYPES = [torch.float32, torch.float64]
+
+
+@pytest.fixture(scope="module")
+def emu():
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emulation"))
+    import build
+
+    return build.load()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell_list", [False, True])
+@pytest.mark.parametrize("name", list(SYSTEMS))
+def test_neighbor_pairs(emu, name, cell_list, dtype):
+    args = to(SYSTEMS[name], "cpu", dtype)
+    ref = ops.neighbor_pairs(*args, CUTOFF, cell_list)
+    pairs, images = emu.neighbor_pairs(*args, CUTOFF, cell_list)
+    assert pairs.dtype == torch.long and images.dtype == dtype
+    assert pair_set(pairs, images) == pair_set(*ref)
+    assert bool((pairs[0, 1:] >= pairs[0, :-1]).all())
+    # Each atom's partners sorted by (j, image): canonical whatever the atomics did.
+    key = pairs[0] * (1 << 40) + pairs[1] * (1 << 20) + images.round().long() @ torch.tensor([1 << 12, 1 << 6, 1]) + 2000
+    assert bool((key[1:] > key[:-1]).all())
+    padded, pimages, num = emu.neighbor_pairs_padded(*args, CUTOFF, cell_list, pairs.shape[1] + 5)
+    assert int(num) == pairs.shape[1]
+    assert torch.equal(padded[:, : pairs.shape[1]], pairs)
+    assert torch.equal(pimages[: pairs.shape[1]], images)
+    assert bool((padded[:, pairs.shape[1]:] == -1).all()) and bool((pimages[pairs.shape[1]:] == 0).all())
+    short, _, num = emu.neighbor_pairs_padded(*args, CUTOFF, cell_list, pairs.shape[1] // 3)
+    assert int(num) == pairs.shape[1] and torch.equal(short, pairs[:, : pairs.shape[1] // 3])
+
+
+def test_neighbor_errors(emu):
+    species, coords, cell, pbc = to(SYSTEMS["water192"], "cpu", torch.float64)
+    bad = coords.clone()
+    bad[0, 7, 2] = float("inf")
+    with pytest.raises(RuntimeError, match="coords must be finite.*atom 7 of molecule 0"):
+        emu.neighbor_pairs(species, bad, cell, pbc, CUTOFF, True)
+    pairs, _, num = emu.neighbor_pairs_padded(species, bad, cell, pbc, CUTOFF, True, 50)
+    assert int(num) == -1 and bool((pairs == -1).all())
+    singular = cell.clone()
+    singular[1] = 2 * singular[0]
+    with pytest.raises(RuntimeError, match="cell is singular"):
+        emu.neighbor_pairs(species, coords, singular, pbc, CUTOFF, True)
+    _, _, num = emu.neighbor_pairs_padded(species, coords, singular, pbc, CUTOFF, True, 50)
+    assert int(num) == -2
+    empty = emu.neighbor_pairs(species[:, :0], coords[:, :0], None, None, CUTOFF, True)
+    assert empty[0].shape == (2, 0)
+
+
+def _aev_case(species, coords, cell, pbc, dtype, pad_slots=0):
+    model = random_model()
+    species, coords = species, coords.to(dtype)
+    cell = None if cell is None else cell.to(dtype)
+    pairs, images = ops.neighbor_pairs(species, coords, cell, pbc, CUTOFF, True)
+    if pad_slots:
+        pairs = torch.cat([pairs, torch.full((2, pad_slots), -1)], 1)
+        images = torch.cat([images, torch.zeros(pad_slots, 3, dtype=dtype)])
+    diff = diff_vectors(coords, cell, pairs, images)
+    return species, pairs, diff, aev_args(model.aev_computer, "cpu", dtype)
+
+
+def _check_aev(emu, species, pairs, diff, args, dtype):
+    ref = ops.aev(species, pairs, diff, *args)
+    out = emu.aev(species, pairs, diff, *args)
+    tol = dict(rtol=1e-11, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref, **tol)
+    g = torch.randn(ref.shape, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    gref = ops.aev_backward(g, species, pairs, diff, *args)
+    gout = emu.aev_backward(g, species, pairs, diff, *args)
+    scale = gref.abs().max().item()
+    t = 1e-11 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(gout, gref, rtol=t, atol=t * scale)
+    # Same bits on a second run.
+    assert torch.equal(emu.aev(species, pairs, diff, *args), out)
+    assert torch.equal(emu.aev_backward(g, species, pairs, diff, *args), gout)
+
+
+def gas(n, seed=0, neighbours=3.0):
+    """A dilute non-periodic gas of n atoms (HCNO) with a few neighbours each: cheap
+    to emulate, but as many atoms as the launch-shape thresholds need."""
+    g = torch.Generator().manual_seed(seed)
+    length = (n / (neighbours / (4 / 3 * 3.14159 * CUTOFF**3))) ** (1 / 3)
+    coords = torch.rand(1, n, 3, generator=g, dtype=torch.float64) * length
+    species = torch.randint(0, 4, (1, n), generator=g)
+    return species, coords, None, None
+
+
+def small_batch():
+    """Three small molecules padded with -1 (8, 6 and 4 atoms)."""
+    species = torch.full((3, 8), -1)
+    coords = torch.zeros(3, 8, 3, dtype=torch.float64)
+    g = torch.Generator().manual_seed(9)
+    for m, n in enumerate((8, 6, 4)):
+        species[m, :n] = torch.randint(0, 7, (n,), generator=g)
+        coords[m, :n] = torch.rand(n, 3, generator=g, dtype=torch.float64) * 3.0
+    return species, coords, None, None
+
+
+EMU_SYSTEMS = {
+    "tiny_cell": SYSTEMS["tiny_cell"],
+    "small_batch": small_batch(),
+    "gas_triclinic": (gas(60, 1)[0], gas(60, 1)[1], torch.tensor(
+        [[14.0, 0.0, 0.0], [3.0, 13.0, 0.0], [0.0, -2.0, 12.0]], dtype=torch.float64),
+        torch.tensor([True, True, False])),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(EMU_SYSTEMS))
+def test_aev(emu, name, dtype):
+    """Fewer than 256 atoms: 8 warps per atom; unused (-1) pair slots appended."""
+    _check_aev(emu, *_aev_case(*EMU_SYSTEMS[name], dtype, pad_slots=11), dtype)
+
+
+@pytest.mark.parametrize("n_atoms", [300, 1100, 4200])
+def test_aev_launch_shapes(emu, n_atoms):
+    """4, 2 and 1 warps per atom (dilute gas, so that the emulation stays quick)."""
+    _check_aev(emu, *_aev_case(*gas(n_atoms, n_atoms), torch.float64), torch.float64)
+
+
+def test_aev_invalid_values(emu):
+    species, pairs, diff, args = _aev_case(*EMU_SYSTEMS["small_batch"], torch.float64)
+    bad = species.clone()
+    bad[0, 3] = 7
+    out = emu.aev(bad, pairs, diff, *args)
+    assert bool(out[0, 3].isnan().all()) and not bool(out[0, 4].isnan().any())
+    assert bool((out[2, 4:] == 0).all())  # padding rows
+    bad_pairs = pairs.clone()
+    bad_pairs[0, 2] = species.numel() + 3
+    assert bool(emu.aev(species, bad_pairs, diff, *args).isnan().all())
+    assert bool((emu.aev_backward(torch.ones(out.shape, dtype=torch.float64), species, bad_pairs,
+                                  diff, *args) == 0).all())
+    empty = emu.aev(species, pairs[:, :0], diff[:0], *args)
+    assert bool((empty == 0).all())

@@ -8,11 +8,17 @@ members that TorchANI calls through are replaced:
   (same ``radial``/``angular`` modules, so the state dict is unchanged);
 - ``model.neighborlist`` (shared with the new AEV computer) ->
   :class:`torchani_fast.aev.NeighborList`, used by periodic calls, ASE stress and
-  any extra potentials of the model.
+  any extra potentials of the model;
+- ``model.potentials['nnp'].neural_networks`` -> :class:`torchani_fast.nn.FusedEnsemble`
+  (or ``FusedNetworks`` for a single network), which keeps TorchANI's member
+  modules, so the state dict is unchanged. Networks that cannot be fused (not
+  CELU MLPs, e.g. ``to_infer_model()``'s BmmEnsemble) are left as they are.
 """
 import torch
 
 from .aev import AEVComputer, NeighborList
+from .validation import SpeciesConverter, ValidatedModel
+from .nn import fuse_networks, unsupported_reason
 
 __all__ = ["patch", "is_patched"]
 
@@ -49,11 +55,22 @@ def patch(model: torch.nn.Module, neighborlist: str = "auto") -> torch.nn.Module
     nnp = _nnp(model)
     if isinstance(nnp.aev_computer, AEVComputer):
         nnp.aev_computer.neighborlist.set_strategy(neighborlist)
+        _fuse(nnp)
+        _install_ase(model)
         return model
     nl = NeighborList(neighborlist)
     nnp.aev_computer = AEVComputer.from_torchani(nnp.aev_computer, nl)
     model.neighborlist = nl
+    SpeciesConverter.from_torchani(model.species_converter)
+    _fuse(nnp)
+    _install_ase(model)
     return model
+
+
+def _fuse(nnp: torch.nn.Module) -> None:
+    # Networks that cannot be fused keep TorchANI's modules; fused ones stay as they are.
+    if unsupported_reason(nnp.neural_networks) is None:
+        nnp.neural_networks = fuse_networks(nnp.neural_networks, nnp.aev_computer)
 
 
 def _nnp(model: torch.nn.Module) -> torch.nn.Module:
@@ -66,3 +83,62 @@ def _nnp(model: torch.nn.Module) -> torch.nn.Module:
             f"model.potentials['nnp']), got {type(model).__name__}"
         )
     return potentials["nnp"]
+
+
+# --- front door: ``patched.ase()`` and ``patched.energies_forces()`` --------------
+# The patched model keeps its TorchANI class but gets a subclass of it whose
+# ``ase`` returns torchani_fast's calculator. The subclass adds only Python-side
+# methods that TorchScript never compiles (they are not ``forward`` nor exported),
+# so ``torch.jit.script(patched)`` scripts exactly what it scripted before. One
+# class is made per TorchANI class and registered in this module under its name,
+# so full-model pickling (``torch.save(model)``) finds it again.
+class _FrontDoor:
+    """Eager-only conveniences that :func:`patch` adds to a model."""
+
+    @torch.jit.unused
+    def ase(self, overwrite: bool = False, stress_kind: str = "scaling", jit: bool = False):
+        """An ASE calculator (:class:`torchani_fast.ase.Calculator`) for this model.
+
+        Same arguments as ``torchani.arch.ANI.ase``; one model evaluation serves
+        energy, forces and stress.
+        """
+        from .ase import Calculator
+
+        model = torch.jit.script(self) if jit else self
+        return Calculator(model, overwrite=overwrite, stress_kind=stress_kind)
+
+    @torch.jit.unused
+    def energies_forces(self, species, coords, cell=None, pbc=None):
+        """Energies (Ha) and forces (Ha/Å); see :func:`torchani_fast.models.energies_forces`."""
+        from .models import energies_forces
+
+        return energies_forces(self, species, coords, cell, pbc)
+
+
+_FRONT_DOOR_CLASSES: dict = {}
+
+
+def _front_door_class(base: type) -> type:
+    cls = _FRONT_DOOR_CLASSES.get(base)
+    if cls is None:
+        name = "Patched" + base.__name__
+        cls = type(name, (_FrontDoor, ValidatedModel, base), {"__module__": __name__, "__qualname__": name,
+                                              "__doc__": base.__doc__})
+        _FRONT_DOOR_CLASSES[base] = cls
+        globals().setdefault(name, cls)
+    return cls
+
+
+def _install_ase(model: torch.nn.Module) -> None:
+    if not isinstance(model, _FrontDoor):
+        model.__class__ = _front_door_class(type(model))
+
+
+def _register_torchani_classes() -> None:
+    from torchani.arch import ANI, ANIq
+
+    for base in (ANI, ANIq):
+        _front_door_class(base)
+
+
+_register_torchani_classes()

@@ -1,0 +1,415 @@
+"""Side-by-side CPU benchmark: TorchANI 2.9 vs torchani_fast (ANI-2x, float32).
+
+Times one energy+forces evaluation (``autograd.grad`` of the summed energy) of
+
+- ``torchani``: TorchANI 2.9 ``ANI2x()`` as it comes;
+- ``torchani-infer``: ``torch.jit.script(ANI2x().to_infer_model())`` (its BMM
+  ensemble; unscripted it calls CUDA NVTX and fails on CPU-only torch);
+- ``fast``: ``torchani_fast.patch(ANI2x())``;
+- ``fast-jit``: ``torch.jit.script`` of the patched model,
+
+on 2iuz (46 atoms), 3o99 (78), small.xyz (264), 1hz5 (973), a 3000-atom water
+grid, and the periodic benzene and water-0.8nm cells, plus one water molecule
+(3 atoms: the per-call overhead). All implementations live in one process and
+are timed interleaved (one call each per round, order rotated), so a noisy
+machine slows them alike; the table gives medians. Peak RSS is measured
+separately, each implementation in its own subprocess.
+
+GFLOP/s counts only the networks' multiply-adds that cannot be skipped: layer 1
+restricted to the AEV columns of the elements present ("zero-block aware"),
+forward plus the input-gradient backward (2 x 2 x MACs). It is divided by the
+whole call's time (AEV, neighbour list and Python included) and compared with
+this machine's SGEMM peak, measured here with ``torch.mm`` on 2048^2 float32.
+
+Never part of the tests or CI. Usage::
+
+    python benchmarks/benchmark_cpu.py                  # writes benchmarks/RESULTS.md
+    python benchmarks/benchmark_cpu.py --threads 1 --no-write
+    python benchmarks/benchmark_cpu.py --quick          # fewer rounds, no 3000-atom grid
+    python benchmarks/benchmark_cpu.py --profile        # + torch.profiler table (1hz5, fast)
+
+Needs the offline ANI weights (TORCHANI_DATA_DIR, default ../shared/torchani-data).
+Other jobs on the machine inflate every number; the load average is recorded.
+"""
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHARED = Path(os.environ.get("TORCHANI_FAST_SHARED", HERE.parent / ".." / "shared")).resolve()
+os.environ.setdefault("TORCHANI_DATA_DIR", str(SHARED / "torchani-data"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TORCHANI_NO_WARN_EXTENSIONS", "1")
+warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.jit in torch >= 2.10
+
+import torch  # noqa: E402
+
+MOLECULES = SHARED / "molecules"
+IMPLS = ["torchani", "torchani-infer", "fast", "fast-jit"]
+# (label, source): an .xyz file under ../shared/molecules, or a generated system.
+SYSTEMS = [
+    ("water (3)", "water-1"),
+    ("2iuz (46)", "2iuz_ligand.xyz"),
+    ("3o99 (78)", "3o99_ligand.xyz"),
+    ("small (264)", "small.xyz"),
+    ("1hz5 (973)", "1hz5.xyz"),
+    ("water grid (3000)", "water-grid"),
+    ("benzene, periodic (48)", "benzene.xyz"),
+    ("water-0.8nm, periodic (30)", "water-0.8nm.xyz"),
+]
+RESULTS_BEGIN, RESULTS_END = "<!-- BEGIN cpu benchmark -->", "<!-- END cpu benchmark -->"
+
+
+# -- inputs ------------------------------------------------------------------------------
+
+def water_grid(per_side=10, spacing=3.104, seed=0):
+    """``per_side**3`` randomly oriented waters on a cubic grid at liquid density (no cell)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    r, half = 0.9572, np.deg2rad(104.52) / 2
+    local = np.array([[0, 0, 0], [r * np.sin(half), r * np.cos(half), 0], [-r * np.sin(half), r * np.cos(half), 0]])
+    numbers, positions = [], []
+    for idx in np.ndindex(per_side, per_side, per_side):
+        q, _ = np.linalg.qr(rng.normal(size=(3, 3)))  # a random rotation
+        positions.append(local @ q.T + spacing * np.array(idx))
+        numbers += [8, 1, 1]
+    return np.array(numbers), np.concatenate(positions)
+
+
+def load_system(source, dtype=torch.float32):
+    """(species (1, N), coords (1, N, 3), cell or None, pbc or None)."""
+    cell = pbc = None
+    if source == "water-grid":
+        numbers, positions = water_grid()
+    else:
+        import ase.io
+
+        atoms = ase.io.read(MOLECULES / ("water-0.8nm.xyz" if source == "water-1" else source))
+        if source == "water-1":
+            atoms = atoms[:3]
+            atoms.pbc = False
+        numbers, positions = atoms.numbers, atoms.positions
+        if atoms.pbc.any():
+            cell = torch.tensor(atoms.cell.array, dtype=dtype)
+            pbc = torch.tensor(atoms.pbc)
+    species = torch.tensor(numbers, dtype=torch.long).unsqueeze(0)
+    coords = torch.tensor(positions, dtype=dtype).unsqueeze(0)
+    return species, coords, cell, pbc
+
+
+# -- implementations -------------------------------------------------------------------------
+
+def build(impl, base=None):
+    """The model for ``impl`` (float32), or raise with TorchANI's own error."""
+    import torchani
+
+    import torchani_fast
+
+    model = copy.deepcopy(base) if base is not None else torchani.models.ANI2x()
+    if impl == "torchani":
+        return model
+    if impl == "torchani-infer":
+        return torch.jit.script(model.to_infer_model())
+    if impl == "fast":
+        return torchani_fast.patch(model)
+    if impl == "fast-jit":
+        return torch.jit.script(torchani_fast.patch(model))
+    raise ValueError(impl)
+
+
+def energy_forces(model, species, coords, cell, pbc):
+    x = coords.detach().requires_grad_(True)
+    e = model((species, x), cell=cell, pbc=pbc).energies
+    (g,) = torch.autograd.grad(e.sum(), x)
+    return e.detach(), -g
+
+
+# -- measurements ------------------------------------------------------------------------------
+
+def sgemm_peak(n=2048, tries=10):
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(tries))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def network_flops(fused, species_idx):
+    """Zero-block-aware multiply-add FLOPs of forward + input-gradient backward."""
+    counts = torch.bincount(species_idx.flatten() + 1, minlength=fused.num_species + 1)[1:].tolist()
+    present = [c > 0 for c in counts]
+    k = len(fused._columns(present))
+    members = fused.get_active_members_num()
+    macs = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        ws = fused._member_weights()[0][e]
+        dims = [w.shape for w in ws[0::2]]  # (out, in) of each layer
+        macs += count * (k * dims[0][0] + sum(d[0] * d[1] for d in dims[1:]))
+    return 2 * 2 * members * macs
+
+
+def stage_times(model, species, coords, cell, pbc, rounds):
+    """Median ms of torchani_fast's AEV (forward+backward) and networks (forward+backward)."""
+    nnp = model.potentials["nnp"]
+    elem = model.species_converter(species)
+
+    def aev_step():
+        x = coords.detach().requires_grad_(True)
+        if cell is None:
+            aev = nnp.aev_computer(elem, x)
+        else:
+            neighbors = model.neighborlist(model.cutoff, elem, x, cell, pbc)
+            aev = nnp.aev_computer.compute_from_neighbors(elem, x, neighbors)
+        torch.autograd.grad(aev, x, torch.ones_like(aev))
+        return aev.detach()
+
+    aev = aev_step()
+
+    def nets_step():
+        a = aev.detach().requires_grad_(True)
+        torch.autograd.grad(nnp.neural_networks(elem, a).sum(), a)
+
+    out = []
+    for fn in (aev_step, nets_step):
+        fn()
+        out.append(1e3 * statistics.median(_timed(fn) for _ in range(rounds)))
+    return out
+
+
+def eager_infer_probe(base):
+    """What TorchANI's unscripted ``to_infer_model()`` does on this machine."""
+    species, coords, cell, pbc = load_system("water-1")
+    try:
+        energy_forces(copy.deepcopy(base).to_infer_model(), species, coords, cell, pbc)
+        return "runs"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
+def time_all(systems, impls, rounds, budget_s):
+    import torchani
+
+    base = torchani.models.ANI2x()
+    models, errors = {}, {}
+    if "torchani-infer" in impls:
+        errors["torchani-infer, unscripted (not timed)"] = eager_infer_probe(base)
+    for impl in impls:
+        try:
+            models[impl] = build(impl, base)
+        except Exception as exc:  # report what TorchANI raises, keep benchmarking the rest
+            errors[impl] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    rows = []
+    for label, source in systems:
+        species, coords, cell, pbc = load_system(source)
+        active = {}
+        for impl, model in models.items():
+            try:
+                for _ in range(3):  # warm-up: packing, allocator, TorchScript profiling runs
+                    energy_forces(model, species, coords, cell, pbc)
+                active[impl] = model
+            except Exception as exc:
+                errors.setdefault(impl, f"{label}: {type(exc).__name__}: {exc}".splitlines()[0][:200])
+        # Rounds adapted to the slowest implementation, within the time budget.
+        slowest = max(_timed(lambda m=m: energy_forces(m, species, coords, cell, pbc)) for m in active.values())
+        n = max(5, min(rounds, int(budget_s / max(slowest * len(active), 1e-9))))
+        times = {impl: [] for impl in active}
+        names = list(active)
+        for r in range(n):
+            for impl in names[r % len(names):] + names[: r % len(names)]:
+                times[impl].append(_timed(lambda m=active[impl]: energy_forces(m, species, coords, cell, pbc)))
+        row = {"system": label, "atoms": species.shape[1], "rounds": n,
+               "ms": {impl: 1e3 * statistics.median(t) for impl, t in times.items()}}
+        if "fast" in active:
+            fast = active["fast"]
+            row["gflop"] = network_flops(fast.potentials["nnp"].neural_networks, fast.species_converter(species)) / 1e9
+            row["aev_ms"], row["nets_ms"] = stage_times(fast, species, coords, cell, pbc, max(3, n // 2))
+            if "torchani" in active:
+                e0, f0 = energy_forces(active["torchani"], species, coords, cell, pbc)
+                e1, f1 = energy_forces(fast, species, coords, cell, pbc)
+                row["dE"] = (e1 - e0).abs().max().item()
+                row["dF"] = (f1 - f0).abs().max().item()
+        row["load"] = os.getloadavg()[0]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows, errors
+
+
+def rss_child(impl, systems):
+    """Run in a subprocess: peak RSS (MB) after each system, for one implementation."""
+    out = {}
+    model = build(impl)
+    for label, source in systems:
+        species, coords, cell, pbc = load_system(source)
+        try:
+            for _ in range(3):
+                energy_forces(model, species, coords, cell, pbc)
+        except Exception as exc:
+            out[label] = f"{type(exc).__name__}"
+            continue
+        out[label] = peak_rss_mb()
+    print("RSS " + json.dumps(out), flush=True)
+
+
+def peak_rss_mb():
+    # VmHWM starts afresh at exec; getrusage's ru_maxrss would carry over the
+    # parent's peak, since Linux preserves it across fork + execve.
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure_rss(impls, systems, threads, quick):
+    result = {}
+    for impl in impls:
+        cmd = [sys.executable, __file__, "--rss-child", impl, "--threads", str(threads)] + (["--quick"] if quick else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RSS ")]
+        result[impl] = json.loads(lines[-1][4:]) if lines else {"error": proc.stderr.strip().splitlines()[-1:]}
+    return result
+
+
+def profile_table(label_source, rows=25):
+    import torchani
+
+    import torchani_fast
+    from torch.profiler import ProfilerActivity, profile
+
+    model = torchani_fast.patch(torchani.models.ANI2x())
+    species, coords, cell, pbc = load_system(label_source[1])
+    for _ in range(3):
+        energy_forces(model, species, coords, cell, pbc)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            energy_forces(model, species, coords, cell, pbc)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+def machine_description(threads):
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torchani
+
+    import torchani_fast
+
+    return (f"{model}, {os.cpu_count()} logical CPUs, {threads} torch threads; "
+            f"torch {torch.__version__}, torchani {torchani.__version__}, torchani_fast "
+            f"{torchani_fast.__version__}, Python {platform.python_version()}")
+
+
+def render(rows, errors, rss, peak, threads, load_before, load_after, profile_text, quick):
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    impls = [i for i in IMPLS if any(i in r["ms"] for r in rows)]
+    out = [RESULTS_BEGIN, "## CPU: energy + forces, ANI-2x, float32", "",
+           f"- Date: {now}", f"- Machine: {machine_description(threads)}",
+           f"- Load average (1 min) before/after: {load_before:.2f} / {load_after:.2f}"
+           + (" -- **other jobs were running: timings are inflated and noisy**" if max(load_before, load_after) > 0.5 * (os.cpu_count() or 1) else ""),
+           f"- Measured SGEMM peak (torch.mm 2048^2 float32, {threads} threads): {peak:.1f} GFLOP/s",
+           f"- Command: `python benchmarks/benchmark_cpu.py --threads {threads}{' --quick' if quick else ''}`",
+           "", "Median wall time per call in ms (rounds interleaved); speedup = torchani / fast. "
+           "AEV and nets: torchani_fast's two stages timed alone (forward + backward). "
+           "load: 1-minute load average after the row (above the thread count: other jobs ran).", ""]
+    head = ("| system | atoms | " + " | ".join(impls) + " | speedup vs torchani | vs infer | fast-jit speedup"
+            " | net GFLOP | fast GFLOP/s | % of SGEMM peak | fast AEV ms | fast nets ms | load |")
+    out += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ms = r["ms"]
+        cells = [f"{ms[i]:.2f}" if i in ms else "-" for i in impls]
+        sp = f"{ms['torchani'] / ms['fast']:.1f}x" if {"torchani", "fast"} <= ms.keys() else "-"
+        spi = f"{ms['torchani-infer'] / ms['fast']:.1f}x" if {"torchani-infer", "fast"} <= ms.keys() else "-"
+        spj = f"{ms['torchani'] / ms['fast-jit']:.1f}x" if {"torchani", "fast-jit"} <= ms.keys() else "-"
+        gf = r.get("gflop")
+        rate = f"{gf / ms['fast'] * 1e3:.1f}" if gf and "fast" in ms else "-"
+        pct = f"{100 * gf / ms['fast'] * 1e3 / peak:.0f}%" if gf and "fast" in ms else "-"
+        out.append(f"| {r['system']} | {r['atoms']} | " + " | ".join(cells)
+                   + f" | {sp} | {spi} | {spj} | {gf:.3f} | {rate} | {pct} | {r.get('aev_ms', 0):.2f}"
+                   + f" | {r.get('nets_ms', 0):.2f} | {r.get('load', 0):.1f} |")
+    out += ["", "Largest |ΔE| (Ha) and |ΔF| (Ha/Å) of fast vs torchani, float32: "
+            + ", ".join(f"{r['system']}: {r['dE']:.1e} / {r['dF']:.1e}" for r in rows if "dE" in r), ""]
+    if errors:
+        out += ["Notes and failures:", ""] + [f"- `{k}`: {v}" for k, v in errors.items()] + [""]
+    if rss:
+        labels = [r["system"] for r in rows]
+        out += ["Peak RSS in MB (each implementation in its own process; running maximum, systems in the order above):", "",
+                "| implementation | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
+        for impl, per in rss.items():
+            cells = [(f"{per[l]:.0f}" if isinstance(per.get(l), float) else str(per.get(l, "-"))) for l in labels]
+            out.append(f"| {impl} | " + " | ".join(cells) + " |")
+        out.append("")
+    if profile_text:
+        out += ["torch.profiler, torchani_fast on 1hz5 (5 calls):", "", "```", profile_text.strip(), "```", ""]
+    out.append(RESULTS_END)
+    return "\n".join(out)
+
+
+def write_results(section, path):
+    text = path.read_text() if path.exists() else "# torchani_fast benchmark results\n\n"
+    if RESULTS_BEGIN in text and RESULTS_END in text:
+        head, rest = text.split(RESULTS_BEGIN, 1)
+        text = head + section + rest.split(RESULTS_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=21, help="max timed rounds per system")
+    p.add_argument("--budget", type=float, default=40.0, help="seconds of timing per system")
+    p.add_argument("--quick", action="store_true", help="5 rounds, skip the 3000-atom grid and RSS")
+    p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
+    p.add_argument("--no-rss", action="store_true")
+    p.add_argument("--profile", action="store_true", help="add a torch.profiler table (1hz5, fast)")
+    p.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
+    p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--rss-child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    systems = [s for s in SYSTEMS if not (args.quick and s[1] == "water-grid")]
+    if args.rss_child:
+        return rss_child(args.rss_child, systems)
+    rounds, budget = (5, 10.0) if args.quick else (args.rounds, args.budget)
+    load_before = os.getloadavg()[0]
+    peak = sgemm_peak()
+    print(f"SGEMM peak {peak:.1f} GFLOP/s", flush=True)
+    rows, errors = time_all(systems, args.impls, rounds, budget)
+    rss = {} if (args.no_rss or args.quick) else measure_rss(args.impls, systems, args.threads, args.quick)
+    profile_text = profile_table(SYSTEMS[4]) if args.profile else ""
+    load_after = os.getloadavg()[0]
+    section = render(rows, errors, rss, peak, args.threads, load_before, load_after, profile_text, args.quick)
+    print(section)
+    if not args.no_write:
+        write_results(section, args.output)
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""Fused ensemble networks (torchani_fast.nn) against TorchANI in the same process.
+
+Every expected value comes from TorchANI's own Ensemble/ANINetworks, evaluated
+on the same inputs; nothing is hard-coded.
+"""
+import copy
+
+import pytest
+import torch
+import torchani
+
+import torchani_fast
+from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, unsupported_reason
+from conftest import model_pair, read_molecule
+
+F32_EPS = torch.finfo(torch.float32).eps
+
+
+def _chloromethane():
+    # A rough CH3Cl geometry: only needed to have a Cl atom (no Cl in ../shared/molecules).
+    z = [6, 17, 1, 1, 1]
+    xyz = [[0.0, 0.0, 0.0], [0.0, 0.0, 1.78], [1.03, 0.0, -0.36], [-0.52, 0.89, -0.36], [-0.52, -0.89, -0.36]]
+    return z, xyz
+
+
+def _molecule(name):
+    if name == "CH3Cl":
+        return _chloromethane()
+    atoms = read_molecule(name)
+    if name == "water-0.8nm.xyz":  # one water molecule, without the cell
+        atoms = atoms[:3]
+    return atoms.numbers.tolist(), atoms.positions.tolist()
+
+
+def padded_batch(names, dtype, empty_row=True):
+    """(species, coords): molecules padded with -1 (and an all-padding row)."""
+    mols = [_molecule(n) for n in names]
+    width = max(len(z) for z, _ in mols)
+    rows = len(mols) + int(empty_row)
+    species = torch.full((rows, width), -1, dtype=torch.long)
+    coords = torch.zeros((rows, width, 3), dtype=dtype)
+    for i, (z, xyz) in enumerate(mols):
+        species[i, : len(z)] = torch.tensor(z)
+        coords[i, : len(z)] = torch.tensor(xyz, dtype=dtype)
+    return species, coords
+
+
+BATCHES = {
+    # H C N O S F Cl across molecules: every element network and many column blocks.
+    "ANI2x": ["3lka_ligand.xyz", "3hkw_ligand.xyz", "CH3Cl"],
+    "ANI1x": ["2iuz_ligand.xyz", "CH4-5.xyz", "water-0.8nm.xyz"],
+    "small": ["3lka_ligand.xyz", "CH3Cl"],  # H C N O S Cl, 21 atoms wide
+}
+
+
+def assert_energies(actual, expected, dtype):
+    if dtype == torch.float64:
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+    else:  # a few float32 ulps of the total energy
+        atol = 8 * F32_EPS * expected.abs().max().item()
+        torch.testing.assert_close(actual, expected, rtol=0, atol=atol)
+
+
+def assert_forces(actual, expected, dtype):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-9 if dtype == torch.float64 else 5e-5)
+
+
+def energies_and_forces(model, species, coords, **kwargs):
+    x = coords.clone().requires_grad_(True)
+    e = model((species, x), **kwargs).energies
+    (g,) = torch.autograd.grad(e.sum(), x)
+    return e.detach(), -g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", ["ANI2x", "ANI1x"])
+def test_matches_torchani(name, dtype):
+    ref, fast = model_pair(name, dtype)
+    nn = fast.potentials["nnp"].neural_networks
+    assert isinstance(nn, FusedEnsemble) and nn.radial_sublen > 0  # zero blocks are skipped
+    species, coords = padded_batch(BATCHES[name], dtype)
+
+    e_ref, f_ref = energies_and_forces(ref, species, coords)
+    e, f = energies_and_forces(fast, species, coords)
+    assert_energies(e, e_ref, dtype)
+    assert_forces(f, f_ref, dtype)
+
+    for atomic in (False, True):
+        v_ref = ref((species, coords), atomic=atomic, ensemble_values=True).energies
+        v = fast((species, coords), atomic=atomic, ensemble_values=True).energies
+        assert v.shape == v_ref.shape == ((8, len(species)) + ((species.shape[1],) if atomic else ()))
+        assert_energies(v, v_ref, dtype)
+    a_ref = ref.atomic_energies((species, coords)).energies
+    a = fast.atomic_energies((species, coords)).energies
+    assert a.shape == a_ref.shape == species.shape
+    assert_energies(a, a_ref, dtype)
+    q_ref, q = ref.energies_qbcs((species, coords)), fast.energies_qbcs((species, coords))
+    assert_energies(q.energies, q_ref.energies, dtype)
+    # (the all-padding row has qbc 0/0 = nan in TorchANI too)
+    torch.testing.assert_close(q.qbcs, q_ref.qbcs, rtol=1e-4 if dtype == torch.float32 else 1e-9, atol=1e-7,
+                               equal_nan=True)
+
+
+def test_active_member_subsets():
+    ref, fast = model_pair("ANI2x", torch.float64)
+    species, coords = padded_batch(BATCHES["small"], torch.float64)
+    fast((species, coords))  # fill the cache for all members first
+    for subset in ([3], [6, 1], [7, 0, 4], list(range(8))):
+        ref.set_active_members(subset)
+        fast.set_active_members(subset)
+        assert len(fast) == len(ref) == len(subset)
+        e_ref, f_ref = energies_and_forces(ref, species, coords)
+        e, f = energies_and_forces(fast, species, coords)
+        assert_energies(e, e_ref, torch.float64)
+        assert_forces(f, f_ref, torch.float64)
+        for atomic in (False, True):
+            v_ref = ref((species, coords), atomic=atomic, ensemble_values=True).energies
+            v = fast((species, coords), atomic=atomic, ensemble_values=True).energies
+            assert v.shape == v_ref.shape
+            assert_energies(v, v_ref, torch.float64)
+    with pytest.raises(IndexError):
+        fast.set_active_members([8])
+
+
+def test_single_networks_model_getitem_and_model_index():
+    ref, fast = model_pair("ANI2x", torch.float64)
+    species, coords = padded_batch(BATCHES["small"], torch.float64)
+    single_ref, single_fast = ref[5], fast[5]
+    assert isinstance(single_fast.potentials["nnp"].neural_networks, FusedNetworks)
+    # Patching a model that already holds a single ANINetworks fuses it too.
+    repatched = torchani_fast.patch(copy.deepcopy(ref[5]))
+    assert isinstance(repatched.potentials["nnp"].neural_networks, FusedNetworks)
+    e_ref, f_ref = energies_and_forces(single_ref, species, coords)
+    for model in (single_fast, repatched):
+        e, f = energies_and_forces(model, species, coords)
+        assert_energies(e, e_ref, torch.float64)
+        assert_forces(f, f_ref, torch.float64)
+        v_ref = single_ref((species, coords), ensemble_values=True).energies
+        v = model((species, coords), ensemble_values=True).energies
+        assert v.shape == v_ref.shape
+        assert_energies(v, v_ref, torch.float64)
+        qbcs = model.energies_qbcs((species, coords)).qbcs
+        assert torch.equal(qbcs.nan_to_num(), single_ref.energies_qbcs((species, coords)).qbcs.nan_to_num())
+    with pytest.raises(ValueError, match="ensemble"):
+        single_fast[0]  # like TorchANI: a single network has no members
+
+    ref0 = torchani.models.ANI2x(model_index=0).double()
+    fast0 = torchani_fast.patch(copy.deepcopy(ref0))
+    assert isinstance(fast0.potentials["nnp"].neural_networks, FusedNetworks)
+    assert fast0.state_dict().keys() == ref0.state_dict().keys()
+    e_ref, f_ref = energies_and_forces(ref0, species, coords)
+    e, f = energies_and_forces(fast0, species, coords)
+    assert_energies(e, e_ref, torch.float64)
+    assert_forces(f, f_ref, torch.float64)
+
+
+def test_state_dict_dtype_and_cache_refresh():
+    ref, fast = model_pair("ANI2x", torch.float32)
+    species, coords = padded_batch(BATCHES["small"], torch.float64)
+    sd = ref.state_dict()
+    assert fast.state_dict().keys() == sd.keys() and len(sd) == 458
+    fast((species, coords.float()))  # packs are cached in float32
+
+    # .double() after patching: the float32 packs must not be used.
+    fast.double()
+    ref64 = copy.deepcopy(ref).double()
+    assert_energies(energies_and_forces(fast, species, coords)[0],
+                    energies_and_forces(ref64, species, coords)[0], torch.float64)
+
+    # load_state_dict after patching (strict, stock keys): new weights are used.
+    perturbed = {k: (v * 1.01 if "neural_networks" in k and v.is_floating_point() else v)
+                 for k, v in ref64.state_dict().items()}
+    fast.load_state_dict(perturbed)
+    ref64.load_state_dict(perturbed)
+    e_ref, f_ref = energies_and_forces(ref64, species, coords)
+    e, f = energies_and_forces(fast, species, coords)
+    assert_energies(e, e_ref, torch.float64)
+    assert_forces(f, f_ref, torch.float64)
+
+    # In-place edits of frozen weights are seen after clear_cache().
+    nn = fast.potentials["nnp"].neural_networks
+    with torch.no_grad():
+        nn.members[2].atomics["H"].layers[0].bias.add_(0.01)
+        ref64.potentials["nnp"].neural_networks.members[2].atomics["H"].layers[0].bias.add_(0.01)
+    nn.clear_cache()
+    assert_energies(fast((species, coords)).energies, ref64((species, coords)).energies, torch.float64)
+
+    # .to() before patching; patching twice keeps the same fused module.
+    ref2 = copy.deepcopy(ref).to(torch.float64)
+    fast2 = torchani_fast.patch(copy.deepcopy(ref2))
+    fused = fast2.potentials["nnp"].neural_networks
+    assert torchani_fast.patch(fast2).potentials["nnp"].neural_networks is fused
+    assert_energies(fast2((species, coords)).energies, ref2((species, coords)).energies, torch.float64)
+    assert fast2.to_infer_model().potentials["nnp"].neural_networks is fused
+
+
+def _network_grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if "neural_networks" in n}
+
+
+def test_weight_gradients_and_training_step():
+    ref, fast = model_pair("ANI1x", torch.float64)
+    species, coords = padded_batch(BATCHES["ANI1x"], torch.float64)
+    fast((species, coords))  # a cached (frozen) evaluation first
+    for model in (ref, fast):
+        model.requires_grad_(True)
+        model.set_active_members([1, 4, 6])
+
+    def energy_loss(model):
+        model.zero_grad()
+        loss = (model((species, coords)).energies ** 2).sum()
+        loss.backward()
+        return loss.detach(), _network_grads(model)
+
+    def force_loss(model):
+        # Force-type loss (double backward) through the networks alone, with
+        # TorchANI's AEVs as inputs.
+        elem = ref.species_converter(species)
+        aev = ref.potentials["nnp"].aev_computer(elem, coords).detach().requires_grad_(True)
+        nn = model.potentials["nnp"].neural_networks
+        model.zero_grad()
+        e = nn(elem, aev)
+        (g,) = torch.autograd.grad(e.sum(), aev, create_graph=True)
+        loss = (e ** 2).sum() + (g ** 2).sum()
+        loss.backward()
+        return loss.detach(), _network_grads(model)
+
+    for loss_fn in (energy_loss, force_loss):
+        l_ref, g_ref = loss_fn(ref)
+        l, g = loss_fn(fast)
+        torch.testing.assert_close(l, l_ref, rtol=1e-10, atol=0)
+        assert g.keys() == g_ref.keys()
+        inactive = 0
+        for name, grad_ref in g_ref.items():
+            if grad_ref is None:  # members not active get no gradient
+                assert g[name] is None, name
+                inactive += 1
+                continue
+            torch.testing.assert_close(g[name], grad_ref, rtol=1e-8, atol=1e-12)
+        assert 0 < inactive < len(g_ref)
+
+    # An optimizer step is seen by the next call, with or without grad mode.
+    for model in (ref, fast):
+        torch.optim.SGD([p for p in model.parameters() if p.grad is not None], lr=1e-3).step()
+    with torch.no_grad():
+        assert_energies(fast((species, coords)).energies, ref((species, coords)).energies, torch.float64)
+    # Frozen again: the cached path is rebuilt from the stepped weights.
+    for model in (ref, fast):
+        model.requires_grad_(False)
+    assert_energies(fast((species, coords)).energies, ref((species, coords)).energies, torch.float64)
+
+
+def test_torchscript_save_load(tmp_path):
+    ref, fast = model_pair("ANI2x", torch.float32)
+    species, coords = padded_batch(BATCHES["small"], torch.float32)
+    scripted = torch.jit.script(fast)
+    path = tmp_path / "fast.pt"
+    torch.jit.save(scripted, str(path))
+    loaded = torch.jit.load(str(path))
+    for model in (scripted, loaded):
+        e_ref, f_ref = energies_and_forces(ref, species, coords)
+        e, f = energies_and_forces(model, species, coords)
+        assert_energies(e, e_ref, torch.float32)
+        assert_forces(f, f_ref, torch.float32)
+        assert_energies(model.atomic_energies((species, coords)).energies,
+                        ref.atomic_energies((species, coords)).energies, torch.float32)
+        v = model((species, coords), None, None, 0, True, True).energies
+        assert_energies(v, ref((species, coords), atomic=True, ensemble_values=True).energies, torch.float32)
+        q, q_ref = model.energies_qbcs((species, coords)), ref.energies_qbcs((species, coords))
+        assert_energies(q.energies, q_ref.energies, torch.float32)
+        model.set_active_members([2, 5])
+        ref.set_active_members([2, 5])
+        assert_energies(model((species, coords)).energies, ref((species, coords)).energies, torch.float32)
+        model.set_active_members(list(range(8)))
+        ref.set_active_members(list(range(8)))
+
+
+def test_torchscript_weight_gradients():
+    ref, fast = model_pair("ANI1x", torch.float64)
+    species, coords = padded_batch(BATCHES["ANI1x"], torch.float64)
+    scripted = torch.jit.script(fast)
+    scripted((species, coords))  # cache filled while frozen
+    grads = []
+    for model in (ref, scripted):
+        for p in model.parameters():  # (ScriptModules have no requires_grad_)
+            p.requires_grad_(True)
+        model((species, coords)).energies.sum().backward()
+        grads.append([p.grad for n, p in model.named_parameters() if "neural_networks" in n])
+    for g, g_ref in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-12)
+
+
+def test_inference_mode_first_then_forces():
+    ref, fast = model_pair("ANI2x", torch.float32)
+    species, coords = padded_batch(BATCHES["small"], torch.float32)
+    e_ref, f_ref = energies_and_forces(ref, species, coords)
+    for model in (fast, torch.jit.script(copy.deepcopy(fast))):
+        for _ in range(3):  # warm TorchScript's profiling executor with force calls
+            energies_and_forces(model, species, coords)
+        model.potentials.nnp.neural_networks.clear_cache()
+        with torch.inference_mode():  # packs made here are inference tensors...
+            model((species, coords))
+        e, f = energies_and_forces(model, species, coords)  # ...and are rebuilt for autograd
+        assert_forces(f, f_ref, torch.float32)
+
+
+def test_first_layer_cache_is_bounded():
+    ref, fast = model_pair("ANI2x", torch.float64)
+    nn = fast.potentials["nnp"].neural_networks
+    nn.max_first_layer_packs = 4  # (32 by default)
+    species, coords = padded_batch(["3hkw_ligand.xyz"], torch.float64, empty_row=False)
+    # Many element sets: the geometry of 3hkw relabelled.
+    subsets = [[1], [6], [1, 6], [1, 8], [1, 6, 7], [6, 8], [1, 16], [1, 9], [1, 17],
+               [6, 7, 8], [1, 6, 7, 8, 16, 9, 17], [8], [1, 6]]
+    for subset in subsets:
+        s = torch.tensor([subset[k % len(subset)] for k in range(species.shape[1])]).unsqueeze(0)
+        assert_energies(fast((s, coords)).energies, ref((s, coords)).energies, torch.float64)
+        assert len(nn._eager_cache) <= nn.max_first_layer_packs + 1  # + the hidden layers
+
+
+def test_rare_element_split():
+    # small.xyz (H C N O) with one carbon turned into sulfur: most atoms do not see
+    # the S atom, so their layer 1 skips the S columns (a second, narrower group).
+    ref, fast = model_pair("ANI2x", torch.float64)
+    nn = fast.potentials["nnp"].neural_networks
+    nn.split_min_atoms = 32  # (64 by default, which needs larger molecules)
+    species, coords = padded_batch(["small.xyz"], torch.float64)
+    species[0, (species[0] == 6).nonzero()[0]] = 16
+    elem = fast.species_converter(species)
+    aev = fast.potentials["nnp"].aev_computer(elem, coords)
+    _, _, group_elem, group_mask, _ = nn._groups(elem.flatten(), aev.flatten(0, 1))
+    assert len(group_elem) > len(set(group_elem)) and len(set(group_mask)) > 1
+    e_ref, f_ref = energies_and_forces(ref, species, coords)
+    e, f = energies_and_forces(fast, species, coords)
+    assert_energies(e, e_ref, torch.float64)
+    assert_forces(f, f_ref, torch.float64)
+    a_ref = ref((species, coords), atomic=True, ensemble_values=True).energies
+    assert_energies(fast((species, coords), atomic=True, ensemble_values=True).energies, a_ref, torch.float64)
+    scripted = torch.jit.script(fast)
+    assert scripted.potentials.nnp.neural_networks.split_min_atoms == 32
+    e, f = energies_and_forces(scripted, species, coords)
+    assert_energies(e, e_ref, torch.float64)
+    assert_forces(f, f_ref, torch.float64)
+
+
+def test_unsupported_networks_are_reported():
+    gelu = torchani.nn.ANINetworks.build(["H", "C"], 384, {"H": (16,), "C": (16,)}, activation="gelu", bias=True)
+    assert "TightCELU" in unsupported_reason(gelu)
+    with pytest.raises(TypeError, match="cannot fuse"):
+        fuse_networks(gelu)
+    # The fused module is its own inference form and is not fused twice.
+    _, fast = model_pair("ANI1x", torch.float32)
+    nn = fast.potentials["nnp"].neural_networks
+    assert fuse_networks(nn) is nn and nn.to_infer_model() is nn

@@ -136,9 +136,14 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
       for (int a = 0; a < 3; ++a) {
         Axis& ax = mol.axis[a];
         const double extent = ax.periodic ? 1.0 : hi[a] - lo[a];
-        ax.width = extent > 0 ? extent / ax.nb : 1.0;
-        ax.reach = static_cast<int64_t>(std::floor(span[a] / ax.width)) + 1;
-        if (!ax.periodic) ax.reach = std::min(ax.reach, ax.nb - 1);
+        // A flat molecule (extent ~1e-150) must not turn into a huge bin count:
+        // decide in double, cast once the value is known to be small.
+        ax.width = extent > 0 ? std::max(extent / ax.nb, span[a] * 1e-6) : 1.0;
+        double reach = std::floor(span[a] / ax.width) + 1;
+        if (!ax.periodic) reach = std::min(reach, static_cast<double>(ax.nb - 1));
+        TORCH_CHECK(reach <= 1e5, "torchani_fast::neighbor_pairs: the cell is too thin along lattice vector ",
+                    a, " (", reach, " periodic images within the cutoff)");
+        ax.reach = static_cast<int64_t>(reach);
       }
       mol.bin_start.assign(nbins + 1, 0);
       for (int64_t i = m * A; i < (m + 1) * A; ++i) {
@@ -146,8 +151,8 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
         int64_t b = 0;
         for (int a = 0; a < 3; ++a) {
           const Axis& ax = mol.axis[a];
-          int64_t k = static_cast<int64_t>(std::floor((frac[3 * i + a] - ax.lo) / ax.width));
-          k = std::min(std::max<int64_t>(k, 0), ax.nb - 1);
+          const double kf = std::floor((frac[3 * i + a] - ax.lo) / ax.width);
+          const int64_t k = static_cast<int64_t>(std::min(std::max(kf, 0.0), static_cast<double>(ax.nb - 1)));
           b = b * ax.nb + k;
         }
         bin_of[i] = b;

@@ -195,3 +195,14 @@ def test_bitwise_reproducible(pairs):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(a1, a2)
+
+
+def test_flat_molecule_with_tiny_offsets(pairs):
+    """Found by hypothesis: a 1e-153 Å extent once overflowed the bin arithmetic
+    and silently dropped every pair."""
+    ref, fast = pairs[torch.float64]
+    species = torch.tensor([[1, 1], [1, -1]])
+    coords = torch.tensor([[[0.0, 0.0, 0.0], [0.0, 1.0, 2.6477e-153]], [[0.0] * 3] * 2],
+                          dtype=torch.float64)
+    torch.testing.assert_close(fast((species, coords)).energies, ref((species, coords)).energies,
+                               rtol=1e-10, atol=0)

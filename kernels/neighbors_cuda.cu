@@ -39,6 +39,7 @@ constexpr int kThreads = 128;
 // err[2] = bits of the cell determinant.
 constexpr int64_t kErrNonFinite = 1;
 constexpr int64_t kErrSingular = 2;
+constexpr int64_t kErrThinCell = 4;
 
 struct Axis {
   int64_t nb;     // number of bins
@@ -180,12 +181,21 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
         nb[big] = ceil(nb[big] / 2.0);
       }
       for (int a = 0; a < 3; ++a) grid.axis[a].nb = static_cast<int64_t>(nb[a]);
+      bool thin = false;
       for (int a = 0; a < 3; ++a) {
         Axis& ax = grid.axis[a];
         const double extent = ax.periodic ? 1.0 : red_hi[a][0] - red_lo[a][0];
-        ax.width = extent > 0 ? extent / ax.nb : 1.0;
-        ax.reach = static_cast<int64_t>(floor(span[a] / ax.width)) + 1;
-        if (!ax.periodic) ax.reach = imin(ax.reach, ax.nb - 1);
+        // A flat molecule (extent ~1e-150) must not turn into a huge bin count:
+        // decide in double, cast once the value is known to be small.
+        ax.width = extent > 0 ? fmax(extent / ax.nb, span[a] * 1e-6) : 1.0;
+        double reach = floor(span[a] / ax.width) + 1;
+        if (!ax.periodic) reach = fmin(reach, static_cast<double>(ax.nb - 1));
+        thin = thin || !(reach <= 1e5);
+        ax.reach = thin ? 0 : static_cast<int64_t>(reach);
+      }
+      if (thin) {  // the CPU raises; here: flag it and search nothing
+        atomic_or_i64(err, kErrThinCell);
+        for (int a = 0; a < 3; ++a) grid.axis[a] = Axis{1, 0, 0.0, 1.0, 0};
       }
     }
     grids[m] = grid;
@@ -199,8 +209,8 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
     int64_t b = 0;
     for (int a = 0; a < 3; ++a) {
       const Axis& ax = grid.axis[a];
-      int64_t k = static_cast<int64_t>(floor((f[a] - ax.lo) / ax.width));
-      k = imin(imax(k, 0), ax.nb - 1);
+      const double kf = floor((f[a] - ax.lo) / ax.width);
+      const int64_t k = static_cast<int64_t>(fmin(fmax(kf, 0.0), static_cast<double>(ax.nb - 1)));
       b = b * ax.nb + k;
     }
     bin_of[i] = m * bins_per_mol + b;
@@ -330,7 +340,8 @@ __global__ void write_kernel(int64_t N, int64_t A, int64_t bins_per_mol,
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (tid == 0 && num_pairs != nullptr)
-    *num_pairs = (flags & kErrSingular) ? -2 : (flags & kErrNonFinite) ? -1 : total;
+    *num_pairs = (flags & kErrSingular) ? -2 : (flags & kErrNonFinite) ? -1
+                 : (flags & kErrThinCell) ? -3 : total;
   if (flags == 0) {
     for (int64_t i = tid; i < N; i += stride) {
       const int64_t first = pair_start[i];
@@ -526,6 +537,9 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cuda(const at::Tensor& species
     TORCH_CHECK(false, op, ": coords must be finite, got (", v[0], ", ", v[1], ", ", v[2],
                 ") for atom ", i % s.A, " of molecule ", i / s.A);
   }
+  TORCH_CHECK(!(flags & kErrThinCell), op,
+              ": the cell is too thin along a lattice vector (more than 1e5 periodic images "
+              "within the cutoff)");
   auto pairs = at::empty({2, total}, s.species.options());
   auto images = at::empty({total, 3}, s.coords.options());
   if (total > 0) launch_write(s, total, pairs, images, nullptr);

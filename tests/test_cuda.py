@@ -130,6 +130,10 @@ def systems():
     x = x.clone()
     x[0, 0, 0] = -1e-17
     out["hair_below_face"] = (elem_idxs(z), x, cell, pbc)
+    # A flat molecule (1e-153 A thick) next to a padded one: bin arithmetic must not overflow.
+    out["flat"] = (torch.tensor([[0, 0], [0, -1]]), torch.tensor(
+        [[[0.0, 0.0, 0.0], [0.0, 1.0, 2.6477e-153]], [[0.0] * 3] * 2], dtype=torch.float64),
+        None, None)
     # A cell smaller than the cutoff: several images of every atom.
     z, x, cell, pbc = water_box(2, seed=4)
     out["tiny_cell"] = (elem_idxs(z), x, cell, pbc)

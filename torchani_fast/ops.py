@@ -87,7 +87,8 @@ def neighbor_pairs_padded(
         How many pairs exist. ``num_pairs > max_pairs`` means the list
         overflowed and the pairs beyond the capacity were dropped. On CUDA an
         invalid input that the CPU would raise for is reported here instead:
-        -1 for non-finite coordinates, -2 for a singular cell (no pairs then).
+        -1 for non-finite coordinates, -2 for a singular cell, -3 for a cell
+        too thin for the cutoff (no pairs then).
     """
     return torch.ops.torchani_fast.neighbor_pairs_padded(
         species, coords, cell, pbc, cutoff, cell_list, max_pairs
@@ -106,6 +107,9 @@ def check_num_pairs(num_pairs: Tensor, max_pairs: int) -> int:
         raise RuntimeError("torchani_fast::neighbor_pairs_padded: coords must be finite")
     if n == -2:
         raise RuntimeError("torchani_fast::neighbor_pairs_padded: cell is singular")
+    if n == -3:
+        raise RuntimeError("torchani_fast::neighbor_pairs_padded: the cell is too thin along "
+                           "a lattice vector (more than 1e5 periodic images within the cutoff)")
     if n > max_pairs:
         raise RuntimeError(
             "torchani_fast::neighbor_pairs_padded: " + str(n) + " pairs do not fit in "

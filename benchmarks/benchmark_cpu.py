@@ -281,7 +281,8 @@ def peak_rss_mb():
 def measure_rss(impls, systems, threads, quick):
     result = {}
     for impl in impls:
-        cmd = [sys.executable, __file__, "--rss-child", impl, "--threads", str(threads)] + (["--quick"] if quick else [])
+        cmd = [sys.executable, __file__, "--rss-child", impl, "--threads", str(threads)]
+        cmd += ["--quick"] if quick else []
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RSS ")]
         result[impl] = json.loads(lines[-1][4:]) if lines else {"error": proc.stderr.strip().splitlines()[-1:]}
@@ -326,11 +327,12 @@ def machine_description(threads):
 
 def render(rows, errors, rss, peak, threads, load_before, load_after, profile_text, quick):
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    busy = max([load_before, load_after] + [r.get("load", 0) for r in rows]) > 0.5 * (os.cpu_count() or 1)
+    noisy = " -- **other jobs were running: timings are inflated and noisy**" if busy else ""
     impls = [i for i in IMPLS if any(i in r["ms"] for r in rows)]
     out = [RESULTS_BEGIN, "## CPU: energy + forces, ANI-2x, float32", "",
            f"- Date: {now}", f"- Machine: {machine_description(threads)}",
-           f"- Load average (1 min) before/after: {load_before:.2f} / {load_after:.2f}"
-           + (" -- **other jobs were running: timings are inflated and noisy**" if max(load_before, load_after) > 0.5 * (os.cpu_count() or 1) else ""),
+           f"- Load average (1 min) before/after: {load_before:.2f} / {load_after:.2f}" + noisy,
            f"- Measured SGEMM peak (torch.mm 2048^2 float32, {threads} threads): {peak:.1f} GFLOP/s",
            f"- Command: `python benchmarks/benchmark_cpu.py --threads {threads}{' --quick' if quick else ''}`",
            "", "Median wall time per call in ms (rounds interleaved); speedup = torchani / fast. "
@@ -357,7 +359,8 @@ def render(rows, errors, rss, peak, threads, load_before, load_after, profile_te
         out += ["Notes and failures:", ""] + [f"- `{k}`: {v}" for k, v in errors.items()] + [""]
     if rss:
         labels = [r["system"] for r in rows]
-        out += ["Peak RSS in MB (each implementation in its own process; running maximum, systems in the order above):", "",
+        out += ["Peak RSS in MB (each implementation in its own process; running maximum, systems in the "
+                "order above):", "",
                 "| implementation | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
         for impl, per in rss.items():
             cells = [(f"{per[l]:.0f}" if isinstance(per.get(l), float) else str(per.get(l, "-"))) for l in labels]

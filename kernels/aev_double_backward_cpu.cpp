@@ -1,5 +1,5 @@
 // CPU second derivatives of the AEV: the two halves of aev_backward's backward,
-// and the local derivatives that assemble whole Hessians without autograd.
+// and the per-atom derivatives from which whole Hessians are assembled.
 //
 // With aev = f(diff) and aev_backward(g, diff) = J(diff)^T g (J = d aev / d diff):
 //
@@ -9,6 +9,14 @@
 //
 // The first is the derivative of aev_backward with respect to grad_aev (force
 // training), the second its derivative with respect to diff_vectors (Hessians).
+// Triples and radial terms whose half edges all have a zero direction
+// contribute exactly zero and are skipped: a Hessian column (one coordinate
+// moved) then costs the neighbourhood of that atom, not the whole system.
+//
+//   aev_local_derivatives(g, columns, diff)   per centre atom i, over the atoms
+//       its AEV depends on: d aev_i / dx (the given AEV columns) and
+//       sum_f g_if d2 aev_if / dx2 (torchani_fast/grad.py builds whole
+//       Hessians from them without one autograd pass per coordinate).
 //
 // Same layout as aev_cpu.cpp: pairs become half edges owned by one atom, each
 // atom's AEV row depends only on its own half edges, so the loop over centre
@@ -23,14 +31,6 @@
 // When r1 r2 < 1e-10 TorchANI clamps the denominator of q (q = 1e10 v1.v2, a
 // bilinear form), and at r = 0 the direction h is undefined: those terms are
 // masked to zero, as in the first-derivative kernel, so no NaN appears.
-//
-//   aev_local_derivatives(g, diff)  per centre atom i, over the atoms it depends
-//                                   on: d aev_i / dx and sum_f g_if d2 aev_if / dx2
-//                                   (torchani_fast.grad builds dense Hessians from them)
-//
-// Triples and radial terms whose half edges all have a zero direction
-// contribute exactly zero and are skipped: a Hessian column (one coordinate
-// moved) then costs the neighbourhood of that atom, not the whole system.
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -651,7 +651,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
   auto pr = pairs.to(at::kLong).contiguous();
   auto diff = diff_vectors.contiguous();
   auto g = grad_aev.to(diff.scalar_type()).contiguous();
-  const int64_t N = sp.numel(), P = pr.size(1), F = aev_length(p);
+  const int64_t N = sp.numel(), P = pr.size(1);
   at::Tensor local_atoms, jac, curv;
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_local_derivatives_cpu", [&] {
     Consts<scalar_t> k(p);

@@ -37,6 +37,8 @@ from .aev import AEVComputer
 
 __all__ = ["energies_forces_and_hessians", "hessians_supported"]
 
+_CHUNK_ELEMENTS = 1 << 24  # bound on the network tangents held at once (per layer)
+
 
 def energies_forces_and_hessians(
     model: torch.nn.Module,
@@ -91,6 +93,9 @@ def hessians_supported(model: torch.nn.Module) -> tp.Optional[str]:
         return f"the network potential is a {type(nnp).__name__}, not an NNPotential"
     if not isinstance(nnp.aev_computer, AEVComputer):
         return "the model is not patched by torchani_fast"
+    devices = {p.device.type for p in model.parameters()}
+    if devices - {"cpu"}:
+        return "one-pass Hessians have CPU kernels only"
     members = _mlp_members(nnp.neural_networks)
     if isinstance(members, str):
         return members
@@ -229,13 +234,18 @@ def _hessians(model, species, coords, cell, pbc) -> Tensor:
     n_slots = (local_atoms >= 0).sum(1)
     scale = 1.0 / divisor
     for idx, stacks in species_work:
-        for rows, k in _buckets(n_slots.index_select(0, idx)):
-            sel = idx.index_select(0, rows)
-            j = jac[:, :k].index_select(0, sel)  # (n, k, 3, C)
-            h = coords.new_zeros(sel.numel(), 3 * k, 3 * k)
-            for st, d1s, curv_w in stacks:
-                _network_curvature(h, st, j, rows, d1s, curv_w)
-            _scatter(hess, h.mul_(scale), sel, local_atoms, atoms)
+        # Tangents of all members of one layer, (atoms, 3K, M * width), bounded
+        # to about _CHUNK_ELEMENTS per chunk of atoms.
+        widest = max(st.w0.shape[1] for st, _, _ in stacks)
+        for bucket, k in _buckets(n_slots.index_select(0, idx)):
+            per_atom = 3 * k * max(widest, 3 * k)
+            for rows in bucket.split(max(1, _CHUNK_ELEMENTS // per_atom)):
+                sel = idx.index_select(0, rows)
+                j = jac[:, :k].index_select(0, sel)  # (n, k, 3, C)
+                h = coords.new_zeros(sel.numel(), 3 * k, 3 * k)
+                for st, d1s, curv_w in stacks:
+                    _network_curvature(h, st, j, rows, d1s, curv_w)
+                _scatter(hess, h.mul_(scale), sel, local_atoms, atoms)
     return hess.view(mols, 3 * atoms, 3 * atoms)
 
 

@@ -208,13 +208,22 @@ def energies_forces_hessians(model: torch.nn.Module, species: Tensor, coords: Te
         (M, 3A, 3A) = d²E/dx² in Ha/Å², with rows and columns ordered
         atom-major (x0, y0, z0, x1, ...), all detached.
 
+    Patched eager models on the CPU get the Hessian in one pass
+    (:func:`torchani_fast.grad.energies_forces_and_hessians`); others (scripted,
+    unpatched) get one autograd pass per Cartesian component.
+
     Raises
     ------
     NotImplementedError
-        If the model's featurizer has no second derivatives yet (the message
-        of the underlying error is kept).
+        If the model's featurizer has no second derivatives (the message of the
+        underlying error is kept).
     """
+    from .grad import energies_forces_and_hessians as one_pass, hessians_supported
+
     x, cell, pbc = _prepare(model, coords, cell, pbc)
+    if hessians_supported(model) is None:
+        e, f, h = one_pass(model, species.to(x.device), x.detach(), cell, pbc)
+        return EnergiesForcesHessians(e, f, h)
     m, a = x.shape[0], x.shape[1]
     with torch.enable_grad():
         energies = model((species.to(x.device), x), cell=cell, pbc=pbc).energies

@@ -261,6 +261,98 @@ def test_hessian_matches_torchani():
     torch.testing.assert_close(hessians[1], hessians[0], rtol=0, atol=1e-9)
 
 
+@pytest.fixture
+def recompute_calls(monkeypatch):
+    """Counts the evaluations that took the recomputing (low-memory) path."""
+    calls = []
+    forward = torchani_fast.nn._Recompute.forward
+
+    def counted(ctx, *args):
+        calls.append(1)
+        return forward(ctx, *args)
+
+    monkeypatch.setattr(torchani_fast.nn._Recompute, "forward", staticmethod(counted))
+    return calls
+
+
+def _no_activation_budget(model):
+    nets = model.potentials["nnp"].neural_networks
+    nets.recompute_min_bytes = 0
+    nets.recompute_min_bytes_gpu = 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_recomputing_path_matches_torchani(dtype, device, recompute_calls):
+    # Large inputs keep no activations for backward; forced here with a zero budget.
+    ref, fast = model_pair("ANI2x", dtype)
+    ref, fast = ref.to(device), fast.to(device)
+    species, coords = (t.to(device) for t in padded_batch(BATCHES["ANI2x"], dtype))
+    e_ref, f_ref = energies_and_forces(ref, species, coords)
+    energies_and_forces(fast, species, coords)
+    assert not recompute_calls  # small input: the default keeps the activations
+    _no_activation_budget(fast)
+    e, f = energies_and_forces(fast, species, coords)
+    assert recompute_calls
+    assert_energies(e, e_ref, dtype)
+    assert_forces(f, f_ref, dtype)
+    # Backward passes whose incoming gradient differs between members (per-member
+    # values) or is per atom (atomic energies) take the other branches.
+    weights = torch.rand(8, 1, 1, dtype=dtype, device=device)
+    per_atom = torch.rand(species.shape, dtype=dtype, device=device)
+    for kwargs, reduce in (
+        (dict(ensemble_values=True, atomic=True), lambda v: (v * weights).sum()),
+        (dict(atomic=True), lambda v: (v * per_atom).sum()),
+    ):
+        grads = []
+        for model in (ref, fast):
+            x = coords.clone().requires_grad_(True)
+            grads.append(torch.autograd.grad(reduce(model((species, x), **kwargs).energies), x)[0])
+        assert_forces(grads[1], grads[0], dtype)
+    # Rare-element split (1hz5: 973 atoms, one S) and chunks of atoms.
+    torchani_fast.nn.RECOMPUTE_CHUNK_ATOMS, chunk = 100, torchani_fast.nn.RECOMPUTE_CHUNK_ATOMS
+    try:
+        species, coords = (t.to(device) for t in padded_batch(["1hz5.xyz"], dtype, empty_row=False))
+        e_ref, f_ref = energies_and_forces(ref, species, coords)
+        e, f = energies_and_forces(fast, species, coords)
+    finally:
+        torchani_fast.nn.RECOMPUTE_CHUNK_ATOMS = chunk
+    assert_energies(e, e_ref, dtype)
+    assert_forces(f, f_ref, dtype)
+    # Without forces (no grad) nothing needs keeping: the usual path.
+    calls = len(recompute_calls)
+    with torch.no_grad():
+        assert_energies(fast((species, coords)).energies, e_ref, dtype)
+    assert len(recompute_calls) == calls
+
+
+def test_recomputing_path_second_derivatives(recompute_calls):
+    # The recomputing backward is differentiable: Hessians equal TorchANI's, and
+    # gradgradcheck on the networks alone (w.r.t. AEVs and the incoming gradient).
+    ref, fast = model_pair("ANI2x", torch.float64)
+    _no_activation_budget(fast)
+    species, coords = padded_batch(["CH3Cl"], torch.float64, empty_row=False)
+    hessians = []
+    for model in (ref, fast):
+        x = coords.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(model((species, x)).energies.sum(), x, create_graph=True)
+        rows = [torch.autograd.grad(gi, x, retain_graph=True)[0].flatten() for gi in g.flatten()]
+        hessians.append(torch.stack(rows))
+    assert recompute_calls
+    torch.testing.assert_close(hessians[1], hessians[0], rtol=0, atol=1e-9)
+
+    ref1, fast1 = model_pair("ANI1x", torch.float64)
+    nets = fast1.potentials["nnp"].neural_networks
+    _no_activation_budget(fast1)
+    nets.set_active_members([1, 6])
+    elem = torch.tensor([[1, 0, -1, 3]])  # C H pad O
+    torch.manual_seed(0)
+    aev = fast1.potentials["nnp"].aev_computer(elem, torch.randn(1, 4, 3, dtype=torch.float64) * 1.5)
+    aev = (aev + 0.01 * torch.rand_like(aev)).requires_grad_(True)
+    calls = len(recompute_calls)
+    torch.autograd.gradgradcheck(lambda a: nets(elem, a, atomic=True), (aev,))
+    assert len(recompute_calls) > calls
+
+
 def test_torchscript_save_load(tmp_path):
     ref, fast = model_pair("ANI2x", torch.float32)
     species, coords = padded_batch(BATCHES["small"], torch.float32)

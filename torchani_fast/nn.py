@@ -32,8 +32,23 @@ longer match it.
 **Training.** While any parameter requires grad the weights are packed on every
 call with differentiable ops and nothing is cached, so weight gradients are
 exact and an optimizer step is seen by the next call.
+
+**Memory of large inputs.** Autograd keeps every layer's pre-activation for the
+backward pass: about 19 kB per atom for ANI-2x (8 members), 1.7 GB for 100 000
+atoms. When that estimate exceeds ``recompute_min_bytes`` (64 MiB on the CPU,
+about 3 500 ANI-2x atoms; ``recompute_min_bytes_gpu``, 1 GiB, on other devices)
+and the weights need no gradient, an eager module evaluates the networks in
+chunks of atoms and keeps no activations (``_Recompute``). On the CPU the
+forward pass also stores the derivative of the members' sum with respect to the
+used AEV columns, so that the usual backward (forces of an ensemble mean) is
+one multiplication; other backward passes (per-member values, QBCs,
+``create_graph=True``, GPUs) recompute the activations chunk by chunk. Results
+are equal to the other path to rounding (the forces in fact bit for bit); the
+backward is differentiable again (Hessians). A scripted module always keeps
+the activations.
 """
 import operator
+import struct
 import typing as tp
 
 import torch
@@ -45,6 +60,10 @@ __all__ = ["FusedEnsemble", "FusedNetworks", "fuse_networks", "unsupported_reaso
 
 MAX_FIRST_LAYER_PACKS = 32
 SPLIT_MIN_ATOMS = 64  # smallest group of atoms worth a second layer-1 GEMM
+RECOMPUTE_MIN_BYTES = 64 * 1024 * 1024  # CPU: activations above this are not kept for backward
+RECOMPUTE_MIN_BYTES_GPU = 1024 * 1024 * 1024  # the same on other devices
+RECOMPUTE_CHUNK_ATOMS = 4096  # atoms per chunk of the recomputing path
+CELU_ALPHA = 0.1
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
@@ -59,7 +78,10 @@ class _FusedBase(AtomicContainer):
     is_ensemble: Final[bool]
     max_first_layer_packs: int
     split_min_atoms: int
+    recompute_min_bytes: int
+    recompute_min_bytes_gpu: int
     num_layers: tp.List[int]  # per element: number of Linear layers (hidden + final)
+    hidden_widths: tp.List[int]  # per element: sum of the hidden layers' widths
     offsets: tp.List[int]  # per element: first index of its packs in the hidden entry
     in_dim: int
     radial_sublen: int  # R, or 0 when the AEV layout is unknown (no column skipping)
@@ -96,6 +118,9 @@ class _FusedBase(AtomicContainer):
         )
         self.max_first_layer_packs = MAX_FIRST_LAYER_PACKS
         self.split_min_atoms = SPLIT_MIN_ATOMS
+        self.recompute_min_bytes = RECOMPUTE_MIN_BYTES
+        self.recompute_min_bytes_gpu = RECOMPUTE_MIN_BYTES_GPU
+        self.hidden_widths = [sum(int(lin.out_features) for lin in _linears(a)[:-1]) for a in atomics]
         w = _linears(atomics[0])[0].weight
         # Follows the parameters through .to()/.double(): the cache is checked against it.
         self.register_buffer("_probe", torch.zeros(0, dtype=w.dtype, device=w.device), persistent=False)
@@ -210,6 +235,10 @@ class _FusedBase(AtomicContainer):
             n_atoms += n
         # Atoms ordered by (element, group) with one stable sort, padding first.
         atoms = torch.argsort(key, stable=True).narrow(0, n_pad, n_atoms)
+        out = aev.new_zeros((k, flat.shape[0]))
+        if not training and self._recompute(aev, group_elem, group_size, k):
+            values = self._eager_recompute(aev, atoms, hidden, act, group_elem, group_mask, group_size)
+            return out.index_copy(1, atoms, values)
         xs = aev.index_select(0, atoms).split(group_size)
         outs: tp.List[Tensor] = []
         for g in range(len(group_size)):
@@ -236,8 +265,31 @@ class _FusedBase(AtomicContainer):
                     if l < layers - 1:
                         h = torch.nn.functional.celu(h, 0.1)
             outs.append(h.reshape(k, n))
-        out = aev.new_zeros((k, flat.shape[0]))
         return out.index_copy(1, atoms, torch.cat(outs, 1))
+
+    def _recompute(self, aev: Tensor, group_elem: tp.List[int], group_size: tp.List[int], k: int) -> bool:
+        """Whether to keep only the AEV for backward (eager, large inputs, see the module doc)."""
+        if torch.jit.is_scripting() or not (aev.requires_grad and torch.is_grad_enabled()):
+            return False
+        saved = 0
+        for g in range(len(group_size)):
+            saved += group_size[g] * k * self.hidden_widths[group_elem[g]]
+        limit = self.recompute_min_bytes if aev.device.type == "cpu" else self.recompute_min_bytes_gpu
+        return saved * aev.element_size() > limit
+
+    @torch.jit.unused
+    def _eager_recompute(
+        self, aev: Tensor, atoms: Tensor, hidden: tp.List[Tensor], act: tp.List[int],
+        group_elem: tp.List[int], group_mask: tp.List[int], group_size: tp.List[int],
+    ) -> Tensor:
+        plan = []
+        for g, atoms_g in enumerate(atoms.split(group_size)):
+            e = group_elem[g]
+            cols, w1 = self._cached_first(act, e, group_mask[g])
+            cols = None if cols.shape[0] == aev.shape[1] else cols
+            o = self.offsets[e]
+            plan.append((atoms_g, cols, w1, hidden[o:o + 2 * self.num_layers[e] - 1]))
+        return _Recompute.apply(aev, plan, len(act))
 
     def _groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, int, tp.List[int], tp.List[int], tp.List[int]]:
         """How atoms are grouped for layer 1.
@@ -603,6 +655,124 @@ class FusedNetworks(_FusedBase):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self._eager_clear()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+# -- the recomputing path ----------------------------------------------------------------
+
+
+def _gather(aev: Tensor, atoms: Tensor, cols: tp.Optional[Tensor]) -> Tensor:
+    x = aev.index_select(0, atoms)
+    return x if cols is None else x.index_select(1, cols)
+
+
+def _mlp_values(x: Tensor, w1: Tensor, packs: tp.List[Tensor], k: int) -> tp.Tuple[Tensor, tp.List[Tensor]]:
+    """Outputs (k, n) of one group's networks and the pre-activations of the hidden layers.
+
+    ``packs`` = [b1 (k*d1,), W2 (k, d1, d2), b2 (k, 1, d2), ...] as in ``_pack_hidden``.
+    The first pre-activation is (n, k*d1), the others (k, n, d).
+    """
+    n = x.shape[0]
+    h = torch.addmm(packs[0], x, w1)
+    pre: tp.List[Tensor] = []
+    layers = (len(packs) + 1) // 2
+    if layers == 1:
+        return h.t(), pre
+    pre.append(h)
+    h = torch.nn.functional.celu(h, CELU_ALPHA).view(n, k, -1).transpose(0, 1)
+    for l in range(1, layers):
+        h = torch.baddbmm(packs[2 * l], h, packs[2 * l - 1])
+        if l < layers - 1:
+            pre.append(h)
+            h = torch.nn.functional.celu(h, CELU_ALPHA)
+    return h.reshape(k, n), pre
+
+
+# PyTorch's CELU backward (derivatives.yaml: elu_backward(..., 1.0 / alpha.toFloat(), ...))
+# scales by 1 / float32(alpha) even in float64: alpha c exp(c h) with c = 9.99999985
+# instead of exp(10 h). TorchANI's float64 forces carry that 1.5e-8 relative error;
+# calling the same kernel gives TorchANI's forces bit for bit (and it is differentiable).
+_CELU_INPUT_SCALE = 1.0 / struct.unpack("f", struct.pack("f", CELU_ALPHA))[0]
+
+
+def _celu_backward(grad: Tensor, pre: Tensor) -> Tensor:
+    return torch.ops.aten.elu_backward(grad, CELU_ALPHA, 1.0, _CELU_INPUT_SCALE, False, pre)
+
+
+def _mlp_input_grad(grad: Tensor, w1: Tensor, packs: tp.List[Tensor], pre: tp.List[Tensor], k: int) -> Tensor:
+    """d(sum grad * outputs) / dx for the outputs of ``_mlp_values``: (n, K)."""
+    n = grad.shape[1]
+    layers = (len(packs) + 1) // 2
+    if layers == 1:
+        return grad.t().mm(w1.t())
+    g = grad.unsqueeze(2)  # (k, n, 1)
+    for l in range(layers - 1, 0, -1):
+        g = torch.bmm(g, packs[2 * l - 1].transpose(1, 2))  # (k, n, d_l)
+        if l > 1:
+            g = _celu_backward(g, pre[l - 1])
+    g = _celu_backward(g.transpose(0, 1).reshape(n, -1), pre[0])
+    return g.mm(w1.t())
+
+
+class _Recompute(torch.autograd.Function):
+    """Atomic energies of all groups without keeping the activations for backward.
+
+    ``plan``: per group (atom indices, AEV columns or None for all, layer-1
+    weights (K, k*d1), the other packs). Output (k, atoms in plan order). The
+    weights are constants here (the path is only taken when they need no grad).
+
+    On the CPU the forward pass also stores, per atom, the derivative of the sum
+    over members, J = d(sum_k out_k)/dx (the used AEV columns only: about 10%
+    of the activations' size). When the incoming gradient is the same for every
+    member, which is the case of energies, atomic energies and forces of an
+    ensemble mean, the backward is ``grad * J``. Otherwise (per-member values,
+    QBC, create_graph=True, or CUDA, where checking would synchronise) the
+    backward recomputes the activations a chunk at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, aev: Tensor, plan, k: int) -> Tensor:
+        ctx.plan = plan
+        ctx.k = k
+        ctx.save_for_backward(aev)
+        speculate = aev.device.type == "cpu"
+        ctx.jacobians = []
+        outs = []
+        for atoms, cols, w1, packs in plan:
+            for chunk in atoms.split(RECOMPUTE_CHUNK_ATOMS):
+                out, pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, k)
+                outs.append(out)
+                if speculate:
+                    ctx.jacobians.append(_mlp_input_grad(out.new_ones(out.shape), w1, packs, pre, k))
+        return torch.cat(outs, 1)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (aev,) = ctx.saved_tensors
+        # Grad mode is on here only under create_graph=True: then the backward is
+        # recorded (out-of-place writes) and can be differentiated again.
+        differentiable = torch.is_grad_enabled()
+        shared = (
+            len(ctx.jacobians) > 0 and not differentiable
+            and bool(torch.equal(grad_out, grad_out[:1].expand_as(grad_out)))
+        )
+        grad = aev.new_zeros(aev.shape)
+        start = 0
+        i = 0
+        for atoms, cols, w1, packs in ctx.plan:
+            for chunk in atoms.split(RECOMPUTE_CHUNK_ATOMS):
+                n = chunk.shape[0]
+                g = grad_out.narrow(1, start, n)
+                if shared:
+                    gx = ctx.jacobians[i] * g[0].unsqueeze(1)
+                else:
+                    pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, ctx.k)[1]
+                    gx = _mlp_input_grad(g, w1, packs, pre, ctx.k)
+                index = (chunk,) if cols is None else (chunk.unsqueeze(1), cols.unsqueeze(0))
+                grad = grad.index_put(index, gx) if differentiable else grad.index_put_(index, gx)
+                start += n
+                i += 1
+        ctx.jacobians = []
+        return grad, None, None
 
 
 # -- construction helpers ---------------------------------------------------------------

@@ -62,7 +62,7 @@ MAX_FIRST_LAYER_PACKS = 32
 SPLIT_MIN_ATOMS = 64  # smallest group of atoms worth a second layer-1 GEMM
 RECOMPUTE_MIN_BYTES = 64 * 1024 * 1024  # CPU: activations above this are not kept for backward
 RECOMPUTE_MIN_BYTES_GPU = 1024 * 1024 * 1024  # the same on other devices
-RECOMPUTE_CHUNK_ATOMS = 4096  # atoms per chunk of the recomputing path
+RECOMPUTE_CHUNK_ATOMS = 1024  # atoms per chunk: temporaries of a few MB, which glibc reuses without growing the heap
 CELU_ALPHA = 0.1
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 

@@ -7,10 +7,19 @@
 #include <cmath>
 #include <vector>
 
+#include "aev_second_derivs.h"
 #include "ops.h"
 
 namespace torchani_fast {
 namespace aev_cpu_detail {
+
+// The neighbour, triple and cutoff helpers are shared with the CUDA kernels.
+using aev_math::cutoff_cos;
+using aev_math::cutoff_cos_deriv;
+using aev_math::cutoff_cos_deriv2;
+using aev_math::make_triple;
+using aev_math::Neighbor;
+using aev_math::Triple;
 
 // Half edges grouped by their owning atom (compressed sparse rows).
 struct HalfEdges {
@@ -104,6 +113,12 @@ struct Consts {
     radial_len = S * R;
     F = radial_len + S * (S + 1) / 2 * A * Z;
   }
+  // Raw-pointer view for the shared functions (valid while *this lives).
+  aev_math::ConstView<scalar_t> view() const {
+    return {S,           R,           A,           Z,            F,
+            radial_len,  rc_r,        rc_a,        eta_r.data(), shf_r.data(),
+            eta_a.data(), shf_a.data(), zeta.data(), cos_z.data(),  sin_z.data()};
+  }
   // Row-major upper-triangular index of the species pair (s1, s2), as torchani's triu_index.
   int64_t pair_index(int64_t s1, int64_t s2) const {
     if (s1 > s2) std::swap(s1, s2);
@@ -111,29 +126,30 @@ struct Consts {
   }
 };
 
+// The half edges of one centre for the shared per-centre functions
+// (aev_second_derivs.h): the same neighbours as gather_neighbors, one at a time.
 template <typename scalar_t>
-inline scalar_t cutoff_cos(scalar_t r, scalar_t rc) {
-  return scalar_t(0.5) * std::cos(r * (scalar_t(M_PI) / rc)) + scalar_t(0.5);
-}
-template <typename scalar_t>
-inline scalar_t cutoff_cos_deriv(scalar_t r, scalar_t rc) {
-  return scalar_t(-0.5) * (scalar_t(M_PI) / rc) * std::sin(r * (scalar_t(M_PI) / rc));
-}
+struct HalfEdgeView {
+  const int64_t *start_, *pair_, *other_, *edge0_, *species_;
+  const scalar_t* diff_;
 
-template <typename scalar_t>
-inline scalar_t cutoff_cos_deriv2(scalar_t r, scalar_t rc) {
-  const scalar_t w = scalar_t(M_PI) / rc;
-  return scalar_t(-0.5) * w * w * std::cos(r * w);
-}
-
-// One neighbour of the centre atom: vector from the centre to it, its length,
-// its species and the half edge it came from.
-template <typename scalar_t>
-struct Neighbor {
-  scalar_t v[3];
-  scalar_t r;
-  int64_t species;
-  int64_t edge;
+  HalfEdgeView(const HalfEdges& h, const int64_t* species, const scalar_t* diff)
+      : start_(h.start.data()), pair_(h.pair.data()), other_(h.other.data()),
+        edge0_(h.edge0.data()), species_(species), diff_(diff) {}
+  int64_t begin(int64_t i) const { return start_[i]; }
+  int64_t end(int64_t i) const { return start_[i + 1]; }
+  int64_t other(int64_t e) const { return other_[e]; }
+  int64_t pair(int64_t e) const { return pair_[e]; }
+  Neighbor<scalar_t> neighbor(int64_t e) const {
+    const int64_t p = pair_[e];
+    const scalar_t sign = (edge0_[p] == e) ? scalar_t(-1) : scalar_t(1);
+    Neighbor<scalar_t> n;
+    for (int c = 0; c < 3; ++c) n.v[c] = sign * diff_[3 * p + c];
+    n.r = std::sqrt(n.v[0] * n.v[0] + n.v[1] * n.v[1] + n.v[2] * n.v[2]);
+    n.species = species_[other_[e]];
+    n.edge = e;
+    return n;
+  }
 };
 
 template <typename scalar_t>
@@ -152,29 +168,6 @@ void gather_neighbors(const HalfEdges& h, int64_t center, const int64_t* species
     n.edge = e;
     out.push_back(n);
   }
-}
-
-// The parts of one angular triple shared by forward and backward.
-template <typename scalar_t>
-struct Triple {
-  scalar_t cos_raw;   // v1.v2 / max(r1 r2, 1e-10)
-  scalar_t c;         // 0.95 * cos_raw, so |c| <= 0.95
-  scalar_t sin_c;     // sqrt(1 - c^2) = sin(acos(c))
-  scalar_t mean_r;    // (r1 + r2) / 2
-  bool clamped;       // r1 r2 < 1e-10
-};
-
-template <typename scalar_t>
-Triple<scalar_t> make_triple(const Neighbor<scalar_t>& n1, const Neighbor<scalar_t>& n2) {
-  Triple<scalar_t> t;
-  const scalar_t dot = n1.v[0] * n2.v[0] + n1.v[1] * n2.v[1] + n1.v[2] * n2.v[2];
-  const scalar_t den = n1.r * n2.r;
-  t.clamped = den < scalar_t(1e-10);
-  t.cos_raw = dot / (t.clamped ? scalar_t(1e-10) : den);
-  t.c = scalar_t(0.95) * t.cos_raw;
-  t.sin_c = std::sqrt(std::max(scalar_t(1) - t.c * t.c, scalar_t(0)));
-  t.mean_r = (n1.r + n2.r) / scalar_t(2);
-  return t;
 }
 
 inline int64_t aev_length(const AEVParams& p) {

@@ -98,7 +98,8 @@ at::Tensor aev_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& speci
                              const AEVParams& p);
 #endif
 
-// Second derivatives (aev_double_backward_cpu.cpp), the two halves of
+// Second derivatives (aev_double_backward_cpu.cpp; the per-atom math is shared
+// with CUDA through aev_second_derivs.h), the two halves of
 // aev_backward's own backward:
 //   aev_jvp(t)                = J t, J = d aev / d diff: the derivative of
 //                               aev_backward w.r.t. grad_aev (force training);
@@ -121,6 +122,23 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
     const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
     const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p);
+
+#ifdef TORCHANI_FAST_CUDA
+// CUDA versions (aev_cuda_second.cu), the same math (aev_second_derivs.h), one
+// thread per centre atom. aev_jvp_cuda and aev_double_backward_cuda do not
+// synchronise (value errors: NaN rows / skipped terms, like aev and
+// aev_backward); aev_local_derivatives_cuda reads K back to size its outputs,
+// its one synchronisation, and raises like the CPU.
+at::Tensor aev_jvp_cuda(const at::Tensor& tangent, const at::Tensor& species,
+                        const at::Tensor& pairs, const at::Tensor& diff_vectors,
+                        const AEVParams& p);
+at::Tensor aev_double_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& tangent,
+                                    const at::Tensor& species, const at::Tensor& pairs,
+                                    const at::Tensor& diff_vectors, const AEVParams& p);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cuda(
+    const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
+    const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p);
+#endif
 
 // Autograd kernels (autograd.cpp): aev differentiates through aev_backward,
 // aev_backward through aev_jvp and aev_double_backward; aev_jvp differentiates

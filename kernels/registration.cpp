@@ -56,6 +56,40 @@ at::Tensor aev_backward_cuda_op(const at::Tensor& grad_aev, const at::Tensor& sp
                            make_params(r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections, rc_r,
                                        rc_a, num_species));
 }
+
+at::Tensor aev_jvp_cuda_op(const at::Tensor& tangent, const at::Tensor& species,
+                           const at::Tensor& pairs, const at::Tensor& diff,
+                           const at::Tensor& r_eta, const at::Tensor& r_shifts,
+                           const at::Tensor& a_eta, const at::Tensor& a_zeta,
+                           const at::Tensor& a_shifts, const at::Tensor& a_sections, double rc_r,
+                           double rc_a, int64_t num_species) {
+  return aev_jvp_cuda(tangent, species, pairs, diff,
+                      make_params(r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections, rc_r,
+                                  rc_a, num_species));
+}
+
+at::Tensor aev_double_backward_cuda_op(const at::Tensor& grad_aev, const at::Tensor& tangent,
+                                       const at::Tensor& species, const at::Tensor& pairs,
+                                       const at::Tensor& diff, const at::Tensor& r_eta,
+                                       const at::Tensor& r_shifts, const at::Tensor& a_eta,
+                                       const at::Tensor& a_zeta, const at::Tensor& a_shifts,
+                                       const at::Tensor& a_sections, double rc_r, double rc_a,
+                                       int64_t num_species) {
+  return aev_double_backward_cuda(grad_aev, tangent, species, pairs, diff,
+                                  make_params(r_eta, r_shifts, a_eta, a_zeta, a_shifts,
+                                              a_sections, rc_r, rc_a, num_species));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cuda_op(
+    const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
+    const at::Tensor& pairs, const at::Tensor& diff, const at::Tensor& r_eta,
+    const at::Tensor& r_shifts, const at::Tensor& a_eta, const at::Tensor& a_zeta,
+    const at::Tensor& a_shifts, const at::Tensor& a_sections, double rc_r, double rc_a,
+    int64_t num_species) {
+  return aev_local_derivatives_cuda(grad_aev, columns, species, pairs, diff,
+                                    make_params(r_eta, r_shifts, a_eta, a_zeta, a_shifts,
+                                                a_sections, rc_r, rc_a, num_species));
+}
 #endif
 at::Tensor aev_jvp_cpu_op(const at::Tensor& tangent, const at::Tensor& species,
                           const at::Tensor& pairs, const at::Tensor& diff,
@@ -132,6 +166,9 @@ TORCH_LIBRARY_IMPL(torchani_fast, CUDA, m) {
   m.impl("neighbor_pairs_padded", &torchani_fast::neighbor_pairs_padded_cuda);
   m.impl("aev", &torchani_fast::aev_cuda);
   m.impl("aev_backward", &torchani_fast::aev_backward_cuda_op);
+  m.impl("aev_jvp", &torchani_fast::aev_jvp_cuda_op);
+  m.impl("aev_double_backward", &torchani_fast::aev_double_backward_cuda_op);
+  m.impl("aev_local_derivatives", &torchani_fast::aev_local_derivatives_cuda_op);
 }
 #endif
 

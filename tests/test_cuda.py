@@ -181,7 +181,8 @@ def diff_vectors(coords, cell, pairs, images):
 
 @requires_cuda
 def test_extension_has_cuda_kernels():
-    for name in ("neighbor_pairs", "neighbor_pairs_padded", "aev", "aev_backward"):
+    for name in ("neighbor_pairs", "neighbor_pairs_padded", "aev", "aev_backward", "aev_jvp",
+                 "aev_double_backward", "aev_local_derivatives"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torchani_fast::{name}", "CUDA"), (
             f"torchani_fast::{name} has no CUDA kernel: rebuild with TORCHANI_FAST_CUDA=1"
         )
@@ -427,6 +428,133 @@ def test_energy_forces_cuda_vs_torchani(kind, dtype):
         e_cpu, f_cpu = _energy_forces(torchani_fast.patch(random_model()), z, x, cell, pbc)
         torch.testing.assert_close(e.cpu(), e_cpu, rtol=0, atol=1e-10)
         torch.testing.assert_close(f.cpu(), f_cpu, rtol=0, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------
+# Second derivatives: Hessians and force training
+
+
+def _cpu(args):
+    return [t.cpu() if isinstance(t, torch.Tensor) else t for t in args]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["molecule46", "padded_batch", "tiny_cell"])
+def test_second_derivative_ops_cuda_match_cpu(name, dtype):
+    species, pairs, diff, args = _aev_inputs(name, dtype, "cuda", extra_invalid=True)
+    cpu = [species.cpu(), pairs.cpu(), diff.cpu(), *_cpu(args)]
+    g = torch.Generator().manual_seed(3)
+    tangent = torch.randn(diff.shape, generator=g, dtype=dtype)
+    tangent[::3] = 0
+    grad_aev = torch.randn(*species.shape, 1008, generator=g, dtype=dtype)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+
+    def close(a, b):
+        torch.testing.assert_close(a.cpu(), b, rtol=tol, atol=tol * max(b.abs().max().item(), 1e-30))
+
+    gpu = [species, pairs, diff, *args]
+    jvp = ops.aev_jvp(tangent.cuda(), *gpu)
+    close(jvp, ops.aev_jvp(tangent, *cpu))
+    hvp = ops.aev_double_backward(grad_aev.cuda(), tangent.cuda(), *gpu)
+    close(hvp, ops.aev_double_backward(grad_aev, tangent, *cpu))
+    columns = torch.arange(0, 1008, 2)
+    local = ops.aev_local_derivatives(grad_aev.cuda(), columns.cuda(), *gpu)
+    ref = ops.aev_local_derivatives(grad_aev, columns, *cpu)
+    assert torch.equal(local[0].cpu(), ref[0])
+    close(local[1], ref[1])
+    close(local[2], ref[2])
+    # Deterministic: the same bits again.
+    assert torch.equal(ops.aev_jvp(tangent.cuda(), *gpu), jvp)
+    assert torch.equal(ops.aev_double_backward(grad_aev.cuda(), tangent.cuda(), *gpu), hvp)
+    again = ops.aev_local_derivatives(grad_aev.cuda(), columns.cuda(), *gpu)
+    assert all(torch.equal(a, b) for a, b in zip(again, local))
+
+
+def _tiny_periodic_cuda():
+    """test_hessian's tiny system (self image, repeated pair, padding) on CUDA, float64."""
+    from test_hessian import tiny_consts, tiny_periodic_system
+
+    species, pairs, diff = tiny_periodic_system(torch.float64, seed=4)
+    consts = [c.cuda() if torch.is_tensor(c) else c for c in tiny_consts()]
+    return species.cuda(), pairs.cuda(), diff.cuda(), consts
+
+
+@requires_cuda
+def test_gradgradcheck_cuda():
+    from test_hessian import TINY_LEN
+
+    species, pairs, diff, consts = _tiny_periodic_cuda()
+    diff.requires_grad_(True)
+    f = lambda d: ops.aev(species, pairs, d, *consts)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (diff,))
+    assert torch.autograd.gradgradcheck(f, (diff,))
+    g = torch.Generator(device="cuda").manual_seed(2)
+    tangent = torch.randn(diff.shape, generator=g, dtype=torch.float64, device="cuda")
+    tangent.requires_grad_(True)
+    grad_aev = torch.randn(*species.shape, TINY_LEN, generator=g, dtype=torch.float64,
+                           device="cuda")
+    assert torch.autograd.gradcheck(lambda t, d: ops.aev_jvp(t, species, pairs, d, *consts),
+                                    (tangent, diff))
+    assert torch.autograd.gradcheck(
+        lambda t: ops.aev_double_backward(grad_aev, t, species, pairs, diff.detach(), *consts),
+        (tangent,))
+    torch.library.opcheck(torch.ops.torchani_fast.aev_jvp.default,
+                          (tangent, species, pairs, diff, *consts))
+    torch.library.opcheck(torch.ops.torchani_fast.aev_double_backward.default,
+                          (grad_aev, tangent, species, pairs, diff.detach(), *consts))
+    torch.library.opcheck(torch.ops.torchani_fast.aev_local_derivatives.default,
+                          (grad_aev, torch.arange(3, TINY_LEN, device="cuda"), species, pairs,
+                           diff.detach(), *consts))
+
+
+@requires_cuda
+def test_hessian_cuda_vs_cpu_and_torchani():
+    from torchani.grad import energies_forces_and_hessians
+    from torchani_fast.grad import energies_forces_and_hessians as one_pass_hessians
+
+    z, x = molecule(12, seed=4)
+    _, _, h_ref = energies_forces_and_hessians(random_model(), z, x.clone())  # TorchANI, CPU
+    fast_cpu = torchani_fast.patch(random_model())
+    _, _, h_cpu = one_pass_hessians(fast_cpu, z, x)
+    fast = torchani_fast.patch(random_model()).cuda()
+    zc, xc = z.cuda(), x.cuda()
+    # Through autograd (aev_jvp / aev_double_backward) and in one pass (aev_local_derivatives).
+    for e, f, h in (energies_forces_and_hessians(fast, zc, xc.clone()),
+                    one_pass_hessians(fast, zc, xc)):
+        assert h.device.type == "cuda" and h.shape == (1, 36, 36)
+        torch.testing.assert_close(h.cpu(), h_ref, rtol=0, atol=1e-8)
+        torch.testing.assert_close(h.cpu(), h_cpu, rtol=0, atol=1e-9)
+        torch.testing.assert_close(h, h.transpose(1, 2), rtol=0, atol=1e-10)
+    # float32 on CUDA: within float32 round-off of the float64 Hessian.
+    fast32 = torchani_fast.patch(random_model()).to("cuda", torch.float32)
+    _, _, h32 = one_pass_hessians(fast32, zc, xc.float())
+    scale = h_ref.abs().max().item()
+    assert (h32.double().cpu() - h_ref).abs().max().item() <= 1e-4 * scale
+
+
+@requires_cuda
+def test_force_training_weight_gradients_cuda_vs_cpu():
+    z, x, cell, pbc = water_box(8, seed=6)
+    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    grads = []
+    for device in ("cpu", "cuda"):
+        model = torchani_fast.patch(random_model()).to(device)
+        params = list(model.potentials["nnp"].neural_networks.parameters())
+        for p in params:
+            p.requires_grad_(True)
+        xd = x.to(device).requires_grad_(True)
+        e = model((z.to(device), xd), cell=cell.to(device), pbc=pbc.to(device)).energies
+        (g,) = torch.autograd.grad(e.sum(), xd, create_graph=True)
+        loss = ((-g - target.to(device)) ** 2).sum() + 0.1 * e.sum()
+        grads.append(torch.autograd.grad(loss, params, allow_unused=True))
+    used = 0
+    for a, b in zip(grads[1], grads[0]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-10)
+            used += 1
+    assert used > 0
 
 
 # ---------------------------------------------------------------------------

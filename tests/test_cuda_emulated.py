@@ -162,3 +162,99 @@ def test_aev_invalid_values(emu):
                                   diff, *args) == 0).all())
     empty = emu.aev(species, pairs[:, :0], diff[:0], *args)
     assert bool((empty == 0).all())
+
+
+# ---------------------------------------------------------------------------
+# Second derivatives: aev_jvp, aev_double_backward, aev_local_derivatives
+
+
+def _tiny_periodic(dtype):
+    """5 atoms + 1 padding atom, an atom paired with its own image and a pair present
+    twice through two images (test_hessian's system), non-integer zeta."""
+    from test_hessian import tiny_consts, tiny_periodic_system
+
+    species, pairs, diff = tiny_periodic_system(dtype, seed=11)
+    args = [c.to(dtype) if torch.is_tensor(c) else c for c in tiny_consts()]
+    return species, pairs, diff, args
+
+
+SECOND_CASES = {
+    "tiny_periodic": _tiny_periodic,
+    # A cell smaller than the cutoff (many images of every atom), unused pair slots.
+    "tiny_cell": lambda dt: _aev_case(*EMU_SYSTEMS["tiny_cell"], dt, pad_slots=5),
+    # Three molecules padded with -1, unused pair slots.
+    "small_batch": lambda dt: _aev_case(*EMU_SYSTEMS["small_batch"], dt, pad_slots=7),
+    # More atoms than one block of threads.
+    "gas300": lambda dt: _aev_case(*gas(300, 3), dt),
+}
+
+
+def _second_inputs(species, pairs, diff, args):
+    g = torch.Generator().manual_seed(21)
+    n_feat = ops.aev(species, pairs, diff, *args).shape[-1]
+    tangent = torch.randn(diff.shape, generator=g, dtype=diff.dtype)
+    tangent[::4] = 0  # pairs that do not move are skipped
+    grad_aev = torch.randn(*species.shape, n_feat, generator=g, dtype=diff.dtype)
+    return tangent, grad_aev, n_feat
+
+
+def _close(out, ref, dtype):
+    t = 1e-11 if dtype == torch.float64 else 2e-5
+    scale = max(ref.abs().max().item(), 1e-30) if ref.numel() else 1.0
+    torch.testing.assert_close(out, ref, rtol=t, atol=t * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(SECOND_CASES))
+def test_second_derivatives(emu, name, dtype):
+    species, pairs, diff, args = SECOND_CASES[name](dtype)
+    tangent, grad_aev, n_feat = _second_inputs(species, pairs, diff, args)
+    jvp = emu.aev_jvp(tangent, species, pairs, diff, *args)
+    _close(jvp, ops.aev_jvp(tangent, species, pairs, diff, *args), dtype)
+    hvp = emu.aev_double_backward(grad_aev, tangent, species, pairs, diff, *args)
+    _close(hvp, ops.aev_double_backward(grad_aev, tangent, species, pairs, diff, *args), dtype)
+    for columns in (torch.arange(n_feat), torch.arange(1, n_feat, 3)):
+        ref = ops.aev_local_derivatives(grad_aev, columns, species, pairs, diff, *args)
+        out = emu.aev_local_derivatives(grad_aev, columns, species, pairs, diff, *args)
+        assert torch.equal(out[0], ref[0])  # the same slots in the same order
+        assert out[1].shape == ref[1].shape and out[2].shape == ref[2].shape
+        _close(out[1], ref[1], dtype)
+        _close(out[2], ref[2], dtype)
+    # Same bits on a second run.
+    assert torch.equal(emu.aev_jvp(tangent, species, pairs, diff, *args), jvp)
+    assert torch.equal(emu.aev_double_backward(grad_aev, tangent, species, pairs, diff, *args), hvp)
+    again = emu.aev_local_derivatives(grad_aev, columns, species, pairs, diff, *args)
+    assert all(torch.equal(a, b) for a, b in zip(again, out))
+
+
+def test_second_derivatives_invalid_values(emu):
+    species, pairs, diff, args = SECOND_CASES["small_batch"](torch.float64)
+    tangent, grad_aev, n_feat = _second_inputs(species, pairs, diff, args)
+    every = torch.arange(n_feat)
+    bad = species.clone()
+    bad[0, 3] = 7
+    # Sync-free ops encode the error like aev / aev_backward do.
+    jvp = emu.aev_jvp(tangent, bad, pairs, diff, *args)
+    assert bool(jvp[0, 3].isnan().all()) and not bool(jvp[0, 4].isnan().any())
+    assert bool(emu.aev_double_backward(grad_aev, tangent, bad, pairs, diff, *args).isfinite().all())
+    bad_pairs = pairs.clone()
+    bad_pairs[0, 2] = species.numel() + 3
+    assert bool(emu.aev_jvp(tangent, species, bad_pairs, diff, *args).isnan().all())
+    assert bool((emu.aev_double_backward(grad_aev, tangent, species, bad_pairs, diff, *args)
+                 == 0).all())
+    # The local derivatives synchronise anyway, so they raise like the CPU.
+    with pytest.raises(RuntimeError, match="species must be -1 .* got 7 at flattened atom 3"):
+        emu.aev_local_derivatives(grad_aev, every, bad, pairs, diff, *args)
+    with pytest.raises(RuntimeError, match="pairs must index the 24 flattened atoms"):
+        emu.aev_local_derivatives(grad_aev, every, species, bad_pairs, diff, *args)
+    with pytest.raises(RuntimeError, match="columns must be increasing .* got 4 at position 2"):
+        emu.aev_local_derivatives(grad_aev, torch.tensor([3, 5, 4]), species, pairs, diff, *args)
+    with pytest.raises(RuntimeError, match=f"got {n_feat} at position 1"):
+        emu.aev_local_derivatives(grad_aev, torch.tensor([0, n_feat]), species, pairs, diff, *args)
+    # No pairs at all: zeros, K = 1.
+    empty = emu.aev_local_derivatives(grad_aev, every, species, pairs[:, :0], diff[:0], *args)
+    ref = ops.aev_local_derivatives(grad_aev, every, species, pairs[:, :0], diff[:0], *args)
+    assert all(torch.equal(a, b) for a, b in zip(empty, ref))
+    assert bool((emu.aev_jvp(tangent[:0], species, pairs[:, :0], diff[:0], *args) == 0).all())
+    assert emu.aev_double_backward(grad_aev, tangent[:0], species, pairs[:, :0], diff[:0],
+                                   *args).shape == (0, 3)

@@ -1,6 +1,6 @@
 """Build torch.ops.torchani_fast_emu: the CUDA kernels of kernels/*.cu run on the CPU.
 
-The .cu sources are copied, their launches `k<<<grid, block, smem, stream>>>(...)`
+The .cu sources (and the .cuh headers they include) are copied, their launches `k<<<grid, block, smem, stream>>>(...)`
 rewritten to `::emu::launch(&k, grid, block, smem, stream, ...)` and their
 dynamic shared memory to a pointer, then compiled as host C++ against
 emu_runtime.h (in place of kernels/cuda_common.cuh). See emu_runtime.h.
@@ -31,6 +31,15 @@ def load(verbose=False):
     out.mkdir(exist_ok=True)
     (out / "cuda_common.cuh").write_text('#include "emu_runtime.h"\n')
     sources = []
+    # Headers with kernels and launches (all .cuh but cuda_common.cuh) are
+    # translated next to the translated sources, which include them by name.
+    for cuh in sorted(KERNELS.glob("*.cuh")):
+        if cuh.name == "cuda_common.cuh":
+            continue
+        dst = out / cuh.name
+        text = translate(cuh.read_text())
+        if not dst.exists() or dst.read_text() != text:
+            dst.write_text(text)
     for cu in sorted(KERNELS.glob("*.cu")):
         dst = out / (cu.stem + ".cpp")
         text = translate(cu.read_text())

@@ -34,6 +34,38 @@ at::Tensor aev_backward(const at::Tensor& grad_aev, const at::Tensor& species,
                                   num_species));
 }
 
+at::Tensor aev_jvp(const at::Tensor& tangent, const at::Tensor& species, const at::Tensor& pairs,
+                   const at::Tensor& diff, const at::Tensor& r_eta, const at::Tensor& r_shifts,
+                   const at::Tensor& a_eta, const at::Tensor& a_zeta, const at::Tensor& a_shifts,
+                   const at::Tensor& a_sections, double rc_r, double rc_a, int64_t num_species) {
+  return aev_jvp_cuda(tangent, species, pairs, diff,
+                      params(r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections, rc_r, rc_a,
+                             num_species));
+}
+
+at::Tensor aev_double_backward(const at::Tensor& grad_aev, const at::Tensor& tangent,
+                               const at::Tensor& species, const at::Tensor& pairs,
+                               const at::Tensor& diff, const at::Tensor& r_eta,
+                               const at::Tensor& r_shifts, const at::Tensor& a_eta,
+                               const at::Tensor& a_zeta, const at::Tensor& a_shifts,
+                               const at::Tensor& a_sections, double rc_r, double rc_a,
+                               int64_t num_species) {
+  return aev_double_backward_cuda(grad_aev, tangent, species, pairs, diff,
+                                  params(r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections,
+                                         rc_r, rc_a, num_species));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives(
+    const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
+    const at::Tensor& pairs, const at::Tensor& diff, const at::Tensor& r_eta,
+    const at::Tensor& r_shifts, const at::Tensor& a_eta, const at::Tensor& a_zeta,
+    const at::Tensor& a_shifts, const at::Tensor& a_sections, double rc_r, double rc_a,
+    int64_t num_species) {
+  return aev_local_derivatives_cuda(grad_aev, columns, species, pairs, diff,
+                                    params(r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections,
+                                           rc_r, rc_a, num_species));
+}
+
 }  // namespace
 }  // namespace torchani_fast
 
@@ -54,4 +86,10 @@ TORCH_LIBRARY(torchani_fast_emu, m) {
       &torchani_fast::neighbor_pairs_padded_cuda);
   m.def("aev(" EMU_AEV_ARGS ") -> Tensor", &torchani_fast::aev);
   m.def("aev_backward(Tensor grad_aev, " EMU_AEV_ARGS ") -> Tensor", &torchani_fast::aev_backward);
+  m.def("aev_jvp(Tensor tangent, " EMU_AEV_ARGS ") -> Tensor", &torchani_fast::aev_jvp);
+  m.def("aev_double_backward(Tensor grad_aev, Tensor tangent, " EMU_AEV_ARGS ") -> Tensor",
+        &torchani_fast::aev_double_backward);
+  m.def("aev_local_derivatives(Tensor grad_aev, Tensor columns, " EMU_AEV_ARGS
+        ") -> (Tensor local_atoms, Tensor jacobian, Tensor curvature)",
+        &torchani_fast::aev_local_derivatives);
 }

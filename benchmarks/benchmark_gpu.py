@@ -16,9 +16,12 @@ Paths, each one energy + forces (autograd) per step, float32:
 - ``fast``: ``torchani_fast.patch(model)`` called through the model's own API,
   with TorchANI's inference networks (``to_infer_model()``) unless torchani_fast
   replaced the networks itself.
-- ``fast-step``: the sync-free step (fixed-capacity neighbour list + AEV +
-  per-element batched networks on static index lists), eager.
-- ``fast-step+graph``: that step captured once and replayed.
+- ``fast-step``: ``torchani_fast.step.EnergyForcesStep`` (fixed-capacity
+  neighbour list + AEV + the fused networks on element groups fixed once: no
+  host sync), eager.
+- ``fast-step+graph``: that step captured once in a CUDA graph and replayed
+  (the default of ``EnergyForcesStep`` on CUDA), without and with the per-step
+  pair-count check (one sync).
 
 Usage: python benchmarks/benchmark_gpu.py --out DIR [--sizes 46,1000,10000,100000]
 Writes DIR/benchmark_gpu.json and DIR/benchmark_gpu.md.
@@ -39,7 +42,7 @@ import torchani  # noqa: E402
 from torchani.csrc import CUAEV_IS_INSTALLED  # noqa: E402
 
 import torchani_fast  # noqa: E402
-from torchani_fast.aev import AEVComputer, NeighborList  # noqa: E402
+from torchani_fast.step import EnergyForcesStep  # noqa: E402
 
 DEVICE = "cuda"
 DTYPE = torch.float32
@@ -142,53 +145,6 @@ def energy_forces(model, z, x, cell, pbc):
     return e.detach(), -g
 
 
-class StaticNetworks(torch.nn.Module):
-    """Per-element batched networks on index lists fixed outside the step.
-
-    In MD the elements never change, so the atoms of each element are found
-    once; the step then has only fixed shapes (capturable in a CUDA graph).
-    Uses TorchANI's own BmmAtomicNetwork modules (8 members fused per element).
-    """
-
-    def __init__(self, model, elem_idxs):
-        super().__init__()
-        from torchani.nn._infer import BmmEnsemble
-
-        bmm = BmmEnsemble(model.potentials["nnp"].neural_networks)
-        flat = elem_idxs.flatten()
-        self.nets = torch.nn.ModuleList()
-        self.idx = []
-        for i, net in enumerate(bmm.atomics.values()):
-            sel = (flat == i).nonzero().flatten()
-            if sel.numel():
-                self.nets.append(net)
-                self.idx.append(sel)
-        # Self energies are constant for fixed elements.
-        with torch.no_grad():
-            self.register_buffer("sae", model.energy_shifter(elem_idxs).sum().detach())
-
-    def forward(self, aev):
-        flat = aev.flatten(0, 1)
-        e = self.sae
-        for idx, net in zip(self.idx, self.nets):
-            e = e + net(flat.index_select(0, idx)).sum()
-        return e
-
-
-def fast_step(model, elem_idxs, coords, cell, pbc, max_pairs):
-    """model: an unpatched TorchANI model (its AEV terms and Ensemble are reused)."""
-    nl = NeighborList("auto", max_pairs=max_pairs)
-    aevc = AEVComputer.from_torchani(model.potentials["nnp"].aev_computer, nl)
-    nets = StaticNetworks(model, elem_idxs)
-
-    def step(x):
-        e = nets(aevc(elem_idxs, x, cell, pbc))
-        (g,) = torch.autograd.grad(e, x)
-        return e.detach(), -g
-
-    return step, nl
-
-
 def capture(step, x):
     static_x = x.detach().clone().requires_grad_(True)
     side = torch.cuda.Stream()
@@ -279,36 +235,39 @@ def run(sizes, out_dir, budget_s):
             row["max_dE_vs_torchani"] = (e_fast - e_ref).abs().item()
             row["max_dF_vs_torchani"] = (f_fast - f_ref).abs().max().item()
 
-        # The sync-free step, eager and in a CUDA graph
-        elem = fast.species_converter(z_d)
-        pairs, _ = torchani_fast.ops.neighbor_pairs(elem, x_d, cell_d, pbc_d, 5.2, n_atoms >= 256)
-        max_pairs = int(pairs.shape[1] * 1.2) + 1024
-        step, nl = fast_step(ani2x_random().to(DEVICE, DTYPE), elem, x_d, cell_d, pbc_d,
-                             max_pairs)
-        e_s, f_s = step(x_d.clone().requires_grad_(True))
-        row["step_max_dE_vs_model_api"] = (e_s - e_fast).abs().item()
-        row["step_max_dF_vs_model_api"] = (f_s - f_fast).abs().max().item()
-        ms, reps = time_step(lambda: step(x_d.clone().requires_grad_(True)), budget_s)
-        row["fast_step_ms"] = ms
-        print(f"torchani_fast step (eager): {ms:.3f} ms ({reps} reps)", flush=True)
+        # The sync-free step (torchani_fast.step.EnergyForcesStep: fixed-capacity
+        # neighbour list, AEV, fused networks on fixed element groups), eager and
+        # captured in a CUDA graph.
         try:
-            graph, static_x, (e_g, f_g) = capture(step, x_d)
-            graph.replay()
-            torch.cuda.synchronize()
-            nl.check_capacity()
+            step = EnergyForcesStep(fast, z_d, x_d, cell_d, pbc_d, cuda_graph=False)
+            e_s, f_s = step(x_d)
+            row["step_max_dE_vs_model_api"] = (e_s - e_fast).abs().item()
+            row["step_max_dF_vs_model_api"] = (f_s - f_fast).abs().max().item()
+            ms, reps = time_step(lambda: step(x_d), budget_s)
+            row["fast_step_ms"] = ms
+            print(f"torchani_fast step (eager): {ms:.3f} ms ({reps} reps)", flush=True)
+            graph_step = EnergyForcesStep(fast, z_d, x_d, cell_d, pbc_d, check_every=0)
+            e_g, f_g = graph_step(x_d)
+            graph_step.check()
             row["graph_max_dF_vs_eager"] = (f_g - f_s).abs().max().item()
-            ms, reps = time_step(graph.replay, budget_s, max_reps=2000)
+            ms, reps = time_step(lambda: graph_step(x_d), budget_s, max_reps=2000)
             row["fast_graph_ms"] = ms
-            print(f"torchani_fast step (CUDA graph): {ms:.3f} ms ({reps} reps)", flush=True)
+            print(f"torchani_fast step (CUDA graph, no per-step check): {ms:.3f} ms ({reps} reps)",
+                  flush=True)
+            graph_step.check_every = 1
+            ms, reps = time_step(lambda: graph_step(x_d), budget_s, max_reps=2000)
+            row["fast_graph_checked_ms"] = ms
+            print(f"torchani_fast step (CUDA graph, checked every step): {ms:.3f} ms", flush=True)
+            del step, graph_step
         except Exception as exc:
-            row["fast_graph"] = "capture failed: " + short(exc)
+            row["fast_step"] = "failed: " + short(exc)
             traceback.print_exc()
         best_fast = min(v for k, v in row.items() if k in ("fast_ms", "fast_step_ms", "fast_graph_ms"))
         best_ref = min([v for k, v in row.items() if k in ("torchani_ms", "torchani_graph_ms")] or [math.nan])
         row["speedup_best"] = best_ref / best_fast
         row["fast_atom_steps_per_s"] = n_atoms / (best_fast * 1e-3)
         rows.append(row)
-        del base, fast, step, nl
+        del base, fast
         torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
 
@@ -329,8 +288,8 @@ def markdown(result):
         f"{m['dtype']}, ANI-2x architecture with random weights, energy + forces per step.",
         "",
         "| atoms | system | TorchANI ms | TorchANI graph | fast ms (model API) | fast step ms "
-        "| fast step graph ms | best speed-up | atom-steps/s | max dE / dF vs TorchANI |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| fast step graph ms | graph + check ms | best speed-up | atom-steps/s | max dE / dF vs TorchANI |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(row, key, alt=None):
@@ -342,7 +301,8 @@ def markdown(result):
         lines.append(
             f"| {r['atoms']} | {r['system']} | {fmt(r, 'torchani_ms', 'torchani')} | "
             f"{fmt(r, 'torchani_graph_ms', 'torchani_graph')} | {fmt(r, 'fast_ms')} | "
-            f"{fmt(r, 'fast_step_ms')} | {fmt(r, 'fast_graph_ms', 'fast_graph')} | "
+            f"{fmt(r, 'fast_step_ms', 'fast_step')} | {fmt(r, 'fast_graph_ms')} | "
+            f"{fmt(r, 'fast_graph_checked_ms')} | "
             f"{r['speedup_best']:.2f}x | {r['fast_atom_steps_per_s']:.3g} | "
             f"{r.get('max_dE_vs_torchani', float('nan')):.2e} / "
             f"{r.get('max_dF_vs_torchani', float('nan')):.2e} |"

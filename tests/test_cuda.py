@@ -604,6 +604,34 @@ def test_cuda_graph_capture(dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["molecule46", "water192", "padded_batch"])
+def test_energy_forces_step_in_cuda_graph(name, dtype):
+    # The whole patched model (fused networks included) captured once and replayed.
+    from torchani_fast.step import EnergyForcesStep
+
+    ref = random_model().to("cuda", dtype)
+    fast = torchani_fast.patch(random_model()).to("cuda", dtype)
+    elem, coords, cell, pbc = to(SYSTEMS[name], "cuda", dtype)
+    species = torch.where(elem >= 0, ref.atomic_numbers.to("cuda")[elem.clamp(min=0)], -1)
+    step = EnergyForcesStep(fast, species, coords, cell, pbc)
+    assert step._graph is not None
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(3):
+        x = coords + 0.03 * torch.randn(coords.shape, device="cuda", dtype=dtype, generator=g)
+        x = torch.where(elem.unsqueeze(-1) >= 0, x, coords)
+        e, f = step(x)
+        xr = x.clone().requires_grad_(True)
+        e_ref = ref((species, xr), cell=cell, pbc=pbc).energies
+        (g_ref,) = torch.autograd.grad(e_ref.sum(), xr)
+        tol = dict(rtol=1e-10, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-5, atol=5e-4)
+        torch.testing.assert_close(e, e_ref.detach(), **tol)
+        torch.testing.assert_close(f, -g_ref, **tol)
+    with pytest.raises(RuntimeError, match="Raise max_pairs|finite"):
+        step(coords * 0.4)
+
+
+@requires_cuda
 def test_cuda_graph_overflow_is_reported():
     step, coords, nl = _aev_energy_step(max_pairs=100, dtype=torch.float32)
     step(coords.clone().requires_grad_(True))

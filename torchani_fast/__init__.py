@@ -18,6 +18,7 @@ from . import ops  # noqa: E402,F401  (fake kernels)
 from .aev import AEVComputer  # noqa: E402
 from .patch import is_patched, patch  # noqa: E402
 from . import grad  # noqa: E402  (energies_forces_and_hessians)
+from .step import EnergyForcesStep  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["AEVComputer", "patch", "is_patched", "ops", "grad", "__version__"]
+__all__ = ["AEVComputer", "EnergyForcesStep", "patch", "is_patched", "ops", "grad", "__version__"]

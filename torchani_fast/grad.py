@@ -93,9 +93,6 @@ def hessians_supported(model: torch.nn.Module) -> tp.Optional[str]:
         return f"the network potential is a {type(nnp).__name__}, not an NNPotential"
     if not isinstance(nnp.aev_computer, AEVComputer):
         return "the model is not patched by torchani_fast"
-    devices = {p.device.type for p in model.parameters()}
-    if devices - {"cpu"}:
-        return "one-pass Hessians have CPU kernels only"
     members = _mlp_members(nnp.neural_networks)
     if isinstance(members, str):
         return members

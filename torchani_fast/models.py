@@ -208,7 +208,7 @@ def energies_forces_hessians(model: torch.nn.Module, species: Tensor, coords: Te
         (M, 3A, 3A) = d²E/dx² in Ha/Å², with rows and columns ordered
         atom-major (x0, y0, z0, x1, ...), all detached.
 
-    Patched eager models on the CPU get the Hessian in one pass
+    Patched eager models (CPU or CUDA) get the Hessian in one pass
     (:func:`torchani_fast.grad.energies_forces_and_hessians`); others (scripted,
     unpatched) get one autograd pass per Cartesian component.
 

@@ -214,13 +214,26 @@ class _FusedBase(AtomicContainer):
 
     def _member_atomic(self, flat: Tensor, aev: Tensor) -> Tensor:
         """Atomic energies (members, M*A) of the distinct active members, in index order."""
-        act = self._evaluated_members()
-        k = len(act)
+        k = len(self._evaluated_members())
         if k == 0:
             return aev.new_zeros((0, flat.shape[0]))
         key, n_pad, group_elem, group_mask, group_size = self._groups(flat, aev)
         if len(group_size) == 0:
             return aev.new_zeros((k, flat.shape[0]))
+        n_atoms = 0
+        for n in group_size:
+            n_atoms += n
+        # Atoms ordered by (element, group) with one stable sort, padding first.
+        atoms = torch.argsort(key, stable=True).narrow(0, n_pad, n_atoms)
+        return self._grouped_atomic(flat.shape[0], aev, atoms, group_elem, group_mask, group_size)
+
+    def _grouped_atomic(
+        self, num_atoms: int, aev: Tensor, atoms: Tensor, group_elem: tp.List[int],
+        group_mask: tp.List[int], group_size: tp.List[int],
+    ) -> Tensor:
+        """``_member_atomic`` once the groups are known: no host synchronisation."""
+        act = self._evaluated_members()
+        k = len(act)
         ws: tp.List[tp.List[tp.List[Tensor]]] = []
         training = self._needs_weight_grad()
         if training:
@@ -230,12 +243,7 @@ class _FusedBase(AtomicContainer):
             hidden = self._pack_hidden(ws, act)
         else:
             hidden = self._cached_hidden(act)
-        n_atoms = 0
-        for n in group_size:
-            n_atoms += n
-        # Atoms ordered by (element, group) with one stable sort, padding first.
-        atoms = torch.argsort(key, stable=True).narrow(0, n_pad, n_atoms)
-        out = aev.new_zeros((k, flat.shape[0]))
+        out = aev.new_zeros((k, num_atoms))
         if not training and self._recompute(aev, group_elem, group_size, k):
             values = self._eager_recompute(aev, atoms, hidden, act, group_elem, group_mask, group_size)
             return out.index_copy(1, atoms, values)
@@ -290,6 +298,42 @@ class _FusedBase(AtomicContainer):
             o = self.offsets[e]
             plan.append((atoms_g, cols, w1, hidden[o:o + 2 * self.num_layers[e] - 1]))
         return _Recompute.apply(aev, plan, len(act))
+
+    @torch.jit.unused
+    def fixed_groups(self, elem_idxs: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
+        """The grouping of these atoms by element, for :meth:`energies_fixed` (one host sync).
+
+        For loops over geometries of one system (MD, optimisation), where the
+        elements never change: with the groups computed once, an evaluation has
+        no host synchronisation and can be captured in a CUDA graph.
+        """
+        flat = elem_idxs.flatten()
+        counts: tp.List[int] = torch.bincount(flat + 1, minlength=self.num_species + 1).tolist()
+        composition = 0
+        for e in range(self.num_species):
+            if counts[e + 1] > 0:
+                composition |= 1 << e
+        elems = [e for e in range(self.num_species) if counts[e + 1] > 0]
+        sizes = [counts[e + 1] for e in elems]
+        atoms = torch.argsort(flat, stable=True).narrow(0, counts[0], sum(sizes))
+        return atoms, elems, [composition] * len(elems), sizes
+
+    @torch.jit.unused
+    def energies_fixed(
+        self, elem_idxs: Tensor, aevs: Tensor,
+        groups: tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]],
+    ) -> Tensor:
+        """Energies (M,) like ``forward(elem_idxs, aevs)``, with groups from :meth:`fixed_groups`."""
+        molecules, atoms_per = elem_idxs.shape[0], elem_idxs.shape[1]
+        atoms, elems, masks, sizes = groups
+        k = len(self._evaluated_members())
+        if k == 0 or not sizes:
+            return aevs.new_zeros(molecules)
+        values = self._grouped_atomic(molecules * atoms_per, aevs.flatten(0, 1), atoms, elems, masks, sizes)
+        values = values.view(k, molecules, atoms_per).sum(2)
+        if not self.is_ensemble:
+            return values[0]
+        return values.sum(0) / len(self.active_members_idxs)
 
     def _groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, int, tp.List[int], tp.List[int], tp.List[int]]:
         """How atoms are grouped for layer 1.

@@ -1,0 +1,166 @@
+"""Energy + forces of one fixed system, for MD and optimisation loops.
+
+A patched model accepts any batch at every call, so each call finds out which
+elements are present and how many neighbour pairs there are: a few host
+synchronisations, which rule out CUDA graphs. In an MD or optimisation loop
+the atoms never change, only their positions. :class:`EnergyForcesStep` fixes
+the species (and the cell and pbc) once, and then each call
+
+- finds the neighbours with a fixed-capacity list (``max_pairs``; no sync),
+- computes the AEVs and the fused networks with the element groups found at
+  construction (no sync),
+
+so on CUDA the whole step, forces included, is captured once in a CUDA graph
+and replayed. Each call then checks the pair count (one sync, ~10 us), which
+raises if the capacity overflowed or the coordinates were not finite, so a
+wrong energy is never returned silently; ``check_every=n`` checks only every
+n-th call (faster, but up to n-1 results may be wrong before the error).
+
+The step uses the model's parameters as they are when it is built (packed
+weights are kept alive by the step): build a new step after changing the
+model (weights, dtype, device, active members).
+"""
+import typing as tp
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .aev import AEVComputer, NeighborList
+from .nn import _FusedBase
+from .patch import _nnp, is_patched
+from .validation import check_cell_pbc
+
+__all__ = ["EnergyForcesStep"]
+
+
+class EnergyForcesStep:
+    """``step(coords) -> (energies (M,), forces (M, A, 3))`` for fixed species, cell and pbc.
+
+    Parameters
+    ----------
+    model : a patched TorchANI ANI model (eager, not scripted)
+    species : Tensor (M, A)
+        Atomic numbers (or element indices if the model has
+        ``periodic_table_index=False``), -1 for padding; fixed for the step's life.
+    coords : Tensor (M, A, 3)
+        A representative geometry: validates the inputs, sizes the neighbour
+        list and warms up (and on CUDA, captures) the step.
+    cell, pbc : optional, as for the model; fixed.
+    max_pairs : int, optional
+        Capacity of the neighbour list. Default: 1.3 x the pairs of ``coords`` + 64.
+    cuda_graph : bool, optional
+        Capture the step in a CUDA graph (default: True on CUDA; ignored on the CPU).
+    check_every : int
+        Check the pair count every this many calls (1: every call; 0: never,
+        call :meth:`check` yourself).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        species: Tensor,
+        coords: Tensor,
+        cell: tp.Optional[Tensor] = None,
+        pbc: tp.Optional[Tensor] = None,
+        *,
+        max_pairs: tp.Optional[int] = None,
+        cuda_graph: tp.Optional[bool] = None,
+        check_every: int = 1,
+    ):
+        if not is_patched(model):
+            raise TypeError("EnergyForcesStep needs a model patched by torchani_fast.patch()")
+        if getattr(model, "_has_extra_potentials", False):
+            raise NotImplementedError("EnergyForcesStep supports models with only the ANI potential")
+        nnp = _nnp(model)
+        nets = nnp.neural_networks
+        if not isinstance(nets, _FusedBase):
+            raise TypeError("EnergyForcesStep needs the fused networks of a patched model")
+        if check_every < 0:
+            raise ValueError(f"check_every must be >= 0, got {check_every}")
+        if pbc is not None and not bool(pbc.any()):
+            cell, pbc = None, None  # all-False pbc: not periodic, as in the model
+        # Validation of everything, once, by the model itself (names the bad argument).
+        model._check_inputs(species, coords, 0)
+        check_cell_pbc(coords, cell, pbc, values=True)
+        with torch.no_grad():
+            elem = model.species_converter(species, nop=not model.periodic_table_index)
+            pairs, _ = ops.neighbor_pairs(elem, coords, cell, pbc, float(model.cutoff), True)
+            self.shift = model.energy_shifter(elem).detach() if model.energy_shifter._enabled \
+                else coords.new_zeros(coords.shape[0])
+        if max_pairs is None:
+            max_pairs = int(1.3 * pairs.shape[1]) + 64
+        self.neighborlist = NeighborList(model.neighborlist.strategy, max_pairs=max_pairs).to(coords.device)
+        self.aev_computer = AEVComputer(nnp.aev_computer.radial, nnp.aev_computer.angular,
+                                        nnp.aev_computer.num_species, nnp.aev_computer.triu_index,
+                                        self.neighborlist)
+        self.networks = nets
+        self.groups = nets.fixed_groups(elem)
+        self.species = species
+        self.elem = elem
+        self.cell = cell
+        self.pbc = pbc
+        self.shape = tuple(coords.shape)
+        self.dtype = coords.dtype
+        self.device = coords.device
+        self.check_every = check_every
+        self.calls = 0
+        self._graph = None
+        use_graph = coords.device.type == "cuda" if cuda_graph is None else cuda_graph
+        self._warm_up(coords, use_graph and coords.device.type == "cuda")
+
+    @property
+    def max_pairs(self) -> int:
+        return self.neighborlist.max_pairs
+
+    def _eager(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
+        aev = self.aev_computer(self.elem, x, self.cell, self.pbc)
+        energies = self.networks.energies_fixed(self.elem, aev, self.groups) + self.shift
+        (grad,) = torch.autograd.grad(energies.sum(), x)
+        return energies.detach(), -grad
+
+    def _warm_up(self, coords: Tensor, capture: bool) -> None:
+        self._static_x = coords.detach().clone().requires_grad_(True)
+        if not capture:
+            self._eager(self._static_x)
+            self.check()
+            # Keep the packed weights the step uses alive (see the module doc).
+            self._keep = list(self.networks._eager_cache.values())
+            return
+        side = torch.cuda.Stream(device=coords.device)
+        side.wait_stream(torch.cuda.current_stream(coords.device))
+        with torch.cuda.stream(side):  # warm-up outside the capture, as torch requires
+            for _ in range(2):
+                self._eager(self._static_x)
+        torch.cuda.current_stream(coords.device).wait_stream(side)
+        self.check()
+        self._keep = list(self.networks._eager_cache.values())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._static_out = self._eager(self._static_x)
+        self._graph = graph
+
+    def check(self) -> int:
+        """Number of neighbour pairs of the last call; raises if the list overflowed
+        ``max_pairs`` or the coordinates were not finite (synchronises)."""
+        return self.neighborlist.check_capacity()
+
+    def __call__(self, coords: Tensor) -> tp.Tuple[Tensor, Tensor]:
+        if tuple(coords.shape) != self.shape:
+            raise ValueError(f"coords must have the step's shape {self.shape}, got {tuple(coords.shape)}")
+        if coords.dtype != self.dtype or coords.device != self.device:
+            raise ValueError(
+                f"coords must be {self.dtype} on {self.device} like the step's, "
+                f"got {coords.dtype} on {coords.device}"
+            )
+        if self._graph is not None:
+            with torch.no_grad():
+                self._static_x.copy_(coords)
+            self._graph.replay()
+            energies, forces = self._static_out[0].clone(), self._static_out[1].clone()
+        else:
+            energies, forces = self._eager(coords.detach().clone().requires_grad_(True))
+        self.calls += 1
+        if self.check_every and self.calls % self.check_every == 0:
+            self.check()
+        return energies, forces

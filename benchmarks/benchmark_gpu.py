@@ -43,6 +43,7 @@ from torchani.csrc import CUAEV_IS_INSTALLED  # noqa: E402
 
 import torchani_fast  # noqa: E402
 from torchani_fast.step import EnergyForcesStep  # noqa: E402
+from torchani_fast.testing import random_ani2x, random_molecule, water_box  # noqa: E402
 
 DEVICE = "cuda"
 DTYPE = torch.float32
@@ -53,58 +54,11 @@ DTYPE = torch.float32
 
 
 def ani2x_random(strategy="pyaev", neighborlist="all_pairs", seed=0):
-    from torchani.arch import Assembler
-    from torchani.models import SYMBOLS_2X
-
-    asm = Assembler(periodic_table_index=True)
-    asm.set_symbols(SYMBOLS_2X)
-    asm.set_global_cutoff_fn("cosine")
-    asm.set_aev_computer(radial="ani2x", angular="ani2x", strategy=strategy)
-    asm.set_atomic_networks(ctor="ani2x")
-    asm.set_neighborlist(neighborlist)
-    asm.set_gsaes_as_self_energies("wb97x-631gd")
-    torch.manual_seed(seed)  # same seed, same weights, whatever the strategy
-    model = asm.assemble(8)
-    model.requires_grad_(False)
-    return model
+    return random_ani2x(seed, strategy, neighborlist)
 
 
 def molecule(n=46, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = math.ceil((3 * n) ** (1 / 3)) + 2
-    r = torch.arange(k, dtype=torch.float64) * 1.4
-    grid = torch.stack(torch.meshgrid(r, r, r, indexing="ij"), -1).view(-1, 3)
-    grid = grid - grid.mean(0)
-    pos = grid[grid.norm(dim=1).argsort()[:n]]
-    pos = pos + 0.15 * torch.randn(pos.shape, generator=g, dtype=torch.float64)
-    numbers = torch.tensor([1, 6, 7, 8, 16, 9, 17])
-    weights = torch.tensor([10.0, 6.0, 2.0, 2.0, 0.5, 0.5, 0.5])
-    z = numbers[torch.multinomial(weights, n, replacement=True, generator=g)]
-    return z.unsqueeze(0), pos.unsqueeze(0), None, None
-
-
-def water_box(n_molecules, seed=0, density=0.0334):
-    g = torch.Generator().manual_seed(seed)
-    length = (n_molecules / density) ** (1 / 3)
-    k = math.ceil(n_molecules ** (1 / 3))
-    r = (torch.arange(k, dtype=torch.float64) + 0.5) * (length / k)
-    sites = torch.stack(torch.meshgrid(r, r, r, indexing="ij"), -1).view(-1, 3)[:n_molecules]
-    oxygen = sites + 0.2 * torch.randn(sites.shape, generator=g, dtype=torch.float64)
-    q = torch.randn(n_molecules, 4, generator=g, dtype=torch.float64)
-    q = q / q.norm(dim=1, keepdim=True)
-    w, x, y, z = q.unbind(1)
-    rot = torch.stack([
-        1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
-        2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
-        2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y),
-    ], 1).view(-1, 3, 3)
-    half = math.radians(104.5) / 2
-    local = 0.9572 * torch.tensor([[math.sin(half), math.cos(half), 0.0],
-                                   [-math.sin(half), math.cos(half), 0.0]], dtype=torch.float64)
-    hydrogens = oxygen.unsqueeze(1) + torch.einsum("nij,hj->nhi", rot, local)
-    coords = torch.cat([oxygen.unsqueeze(1), hydrogens], 1).view(1, -1, 3)
-    numbers = torch.tensor([8, 1, 1]).repeat(n_molecules).unsqueeze(0)
-    return numbers, coords, torch.eye(3, dtype=torch.float64) * length, torch.tensor([True] * 3)
+    return random_molecule(n, seed) + (None, None)
 
 
 def system(n_atoms):

@@ -5,7 +5,6 @@ machine without one; the fixed-capacity neighbour op also runs on the CPU.
 Models use the ANI-2x architecture with random weights (seeded), so nothing
 here needs the pretrained files: the same tests run on a bare GPU machine.
 """
-import math
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torchani
 import torchani_fast
 from torchani_fast import ops
 from torchani_fast.aev import AEVComputer, NeighborList
+from torchani_fast.testing import random_ani2x, random_molecule, water_box
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
@@ -25,22 +25,8 @@ CUTOFF = 5.2
 
 
 def ani2x_random(seed=0):
-    """The ANI-2x architecture (AEV, 8 x 7 networks, self energies) with random weights."""
-    from torchani.arch import Assembler
-    from torchani.models import SYMBOLS_2X
-
-    asm = Assembler(periodic_table_index=True)
-    asm.set_symbols(SYMBOLS_2X)
-    asm.set_global_cutoff_fn("cosine")
-    asm.set_aev_computer(radial="ani2x", angular="ani2x", strategy="pyaev")
-    asm.set_atomic_networks(ctor="ani2x")
-    asm.set_neighborlist("all_pairs")
-    asm.set_gsaes_as_self_energies("wb97x-631gd")
-    with torch.random.fork_rng():  # leave the global RNG of other tests alone
-        torch.manual_seed(seed)
-        model = asm.assemble(8)
-    model.requires_grad_(False)
-    return model.to(torch.float64)
+    """The ANI-2x architecture with random weights, float64 (see torchani_fast.testing)."""
+    return random_ani2x(seed).to(torch.float64)
 
 
 _MODEL = {}
@@ -54,46 +40,7 @@ def random_model():
     return copy.deepcopy(_MODEL["m"])
 
 
-def molecule(n=46, seed=0):
-    """A compact molecule-like cluster: jittered grid points 1.4 A apart, HCNOSFCl."""
-    g = torch.Generator().manual_seed(seed)
-    k = math.ceil((3 * n) ** (1 / 3)) + 2
-    r = torch.arange(k, dtype=torch.float64) * 1.4
-    grid = torch.stack(torch.meshgrid(r, r, r, indexing="ij"), -1).view(-1, 3)
-    grid = grid - grid.mean(0)
-    pos = grid[grid.norm(dim=1).argsort()[:n]]
-    pos = pos + 0.15 * torch.randn(pos.shape, generator=g, dtype=torch.float64)
-    numbers = torch.tensor([1, 6, 7, 8, 16, 9, 17])
-    weights = torch.tensor([10.0, 6.0, 2.0, 2.0, 0.5, 0.5, 0.5])
-    z = numbers[torch.multinomial(weights, n, replacement=True, generator=g)]
-    return z.unsqueeze(0), pos.unsqueeze(0)
-
-
-def water_box(n_molecules, seed=0, density=0.0334):
-    """Periodic liquid-water-like box: (numbers (1, 3n), coords (1, 3n, 3), cell, pbc)."""
-    g = torch.Generator().manual_seed(seed)
-    length = (n_molecules / density) ** (1 / 3)
-    k = math.ceil(n_molecules ** (1 / 3))
-    r = (torch.arange(k, dtype=torch.float64) + 0.5) * (length / k)
-    sites = torch.stack(torch.meshgrid(r, r, r, indexing="ij"), -1).view(-1, 3)[:n_molecules]
-    oxygen = sites + 0.2 * torch.randn(sites.shape, generator=g, dtype=torch.float64)
-    # Random orientations of an H-O-H of 0.9572 A and 104.5 degrees.
-    q = torch.randn(n_molecules, 4, generator=g, dtype=torch.float64)
-    q = q / q.norm(dim=1, keepdim=True)
-    w, x, y, zq = q.unbind(1)
-    rot = torch.stack([
-        1 - 2 * (y * y + zq * zq), 2 * (x * y - zq * w), 2 * (x * zq + y * w),
-        2 * (x * y + zq * w), 1 - 2 * (x * x + zq * zq), 2 * (y * zq - x * w),
-        2 * (x * zq - y * w), 2 * (y * zq + x * w), 1 - 2 * (x * x + y * y),
-    ], 1).view(-1, 3, 3)
-    half = math.radians(104.5) / 2
-    local = 0.9572 * torch.tensor([[math.sin(half), math.cos(half), 0.0],
-                                   [-math.sin(half), math.cos(half), 0.0]], dtype=torch.float64)
-    hydrogens = oxygen.unsqueeze(1) + torch.einsum("nij,hj->nhi", rot, local)
-    coords = torch.cat([oxygen.unsqueeze(1), hydrogens], 1).view(1, -1, 3)
-    numbers = torch.tensor([8, 1, 1]).repeat(n_molecules).unsqueeze(0)
-    cell = torch.eye(3, dtype=torch.float64) * length
-    return numbers, coords, cell, torch.tensor([True, True, True])
+molecule = random_molecule
 
 
 def padded_batch():

@@ -38,11 +38,7 @@
 #include <cmath>
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define TF_HOST_DEVICE __host__ __device__
-#else
-#define TF_HOST_DEVICE
-#endif
+#include "host_device.h"
 
 namespace torchani_fast {
 namespace aev_math {

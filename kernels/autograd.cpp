@@ -13,61 +13,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
 
-constexpr const char* kAevSchema = "torchani_fast::aev";
-constexpr const char* kAevBackwardSchema = "torchani_fast::aev_backward";
-
-using AevSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                          double, int64_t);
-using AevBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  const at::Tensor&, double, double, int64_t);
-
-// Saved tensors, in schema order after the leading argument(s).
-enum Saved { kSpecies, kPairs, kDiff, kREta, kRShifts, kAEta, kAZeta, kAShifts, kASections };
-
-class AevFunction : public torch::autograd::Function<AevFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& species,
-                            const at::Tensor& pairs, const at::Tensor& diff,
-                            const at::Tensor& r_eta, const at::Tensor& r_shifts,
-                            const at::Tensor& a_eta, const at::Tensor& a_zeta,
-                            const at::Tensor& a_shifts, const at::Tensor& a_sections,
-                            double rc_r, double rc_a, int64_t num_species) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow(kAevSchema, "")
-                         .typed<AevSig>();
-    ctx->save_for_backward(
-        {species, pairs, diff, r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections});
-    ctx->saved_data["rc_r"] = rc_r;
-    ctx->saved_data["rc_a"] = rc_a;
-    ctx->saved_data["num_species"] = num_species;
-    return op.call(species, pairs, diff, r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections,
-                   rc_r, rc_a, num_species);
-  }
-
-  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow(kAevBackwardSchema, "")
-                         .typed<AevBackwardSig>();
-    const auto s = ctx->get_saved_variables();
-    at::Tensor grad_diff;
-    if (ctx->needs_input_grad(kDiff)) {
-      grad_diff = op.call(grads[0], s[kSpecies], s[kPairs], s[kDiff], s[kREta], s[kRShifts],
-                          s[kAEta], s[kAZeta], s[kAShifts], s[kASections],
-                          ctx->saved_data["rc_r"].toDouble(), ctx->saved_data["rc_a"].toDouble(),
-                          ctx->saved_data["num_species"].toInt());
-    }
-    // Gradients w.r.t. the AEV constants are not computed (they are buffers in
-    // every ANI model); undefined tensors tell autograd so.
-    return {at::Tensor(), at::Tensor(), grad_diff, at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
 // The AEV arguments shared by every op, after the leading tensor(s): the nine
 // tensors (species .. angular_sections) are saved after the leading ones, the
 // three scalars in saved_data.
@@ -75,8 +20,16 @@ struct AevArgs {
   tensor_list t;  // species, pairs, diff, r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections
   double rc_r, rc_a;
   int64_t num_species;
-  const at::Tensor& diff() const { return t[kDiff]; }
 };
+
+AevArgs make_args(const at::Tensor& species, const at::Tensor& pairs, const at::Tensor& diff,
+                  const AEVParams& p) {
+  return AevArgs{{species, pairs, diff, p.radial_eta, p.radial_shifts, p.angular_eta,
+                  p.angular_zeta, p.angular_shifts, p.angular_sections},
+                 p.radial_cutoff,
+                 p.angular_cutoff,
+                 p.num_species};
+}
 
 void save_aev_args(AutogradContext* ctx, tensor_list leading, const AevArgs& a) {
   leading.insert(leading.end(), a.t.begin(), a.t.end());
@@ -96,145 +49,151 @@ tensor_list load_aev_args(AutogradContext* ctx, size_t num_leading, AevArgs& a) 
   return tensor_list(s.begin(), s.begin() + num_leading);
 }
 
-using AevJvpSig = AevBackwardSig;  // (Tensor tangent, AEV args...)
-using AevDoubleBackwardSig =
-    at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-               const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, int64_t);
+// Calls an AEV op through the dispatcher (every backend; autograd records the
+// call when a higher derivative is being built, i.e. under create_graph=True).
+template <typename Op>
+c10::TypedOperatorHandle<typename Op::Schema> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<typename Op::Schema>();
+}
 
-// Calls through the dispatcher (every backend; autograd records them when a
-// higher derivative is being built, i.e. under create_graph=True).
-at::Tensor call_aev_backward(const at::Tensor& grad_aev, const AevArgs& a) {
-  static auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(kAevBackwardSchema, "").typed<AevBackwardSig>();
+template <typename Schema, typename... Lead>
+auto call_op(const c10::TypedOperatorHandle<Schema>& op, const AevArgs& a, const Lead&... lead) {
   const auto& t = a.t;
-  return op.call(grad_aev, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], a.rc_r, a.rc_a,
+  return op.call(lead..., t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], a.rc_r, a.rc_a,
                  a.num_species);
 }
 
+at::Tensor call_aev(const AevArgs& a) {
+  static const auto op = find_op<AevForwardOp>("torchani_fast::aev");
+  return call_op(op, a);
+}
+
+at::Tensor call_aev_backward(const at::Tensor& grad_aev, const AevArgs& a) {
+  static const auto op = find_op<AevBackwardOp>("torchani_fast::aev_backward");
+  return call_op(op, a, grad_aev);
+}
+
 at::Tensor call_aev_jvp(const at::Tensor& tangent, const AevArgs& a) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchani_fast::aev_jvp", "")
-                       .typed<AevJvpSig>();
-  const auto& t = a.t;
-  return op.call(tangent, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], a.rc_r, a.rc_a,
-                 a.num_species);
+  static const auto op = find_op<AevBackwardOp>("torchani_fast::aev_jvp");
+  return call_op(op, a, tangent);
 }
 
 at::Tensor call_aev_double_backward(const at::Tensor& grad_aev, const at::Tensor& tangent,
                                     const AevArgs& a) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchani_fast::aev_double_backward", "")
-                       .typed<AevDoubleBackwardSig>();
-  const auto& t = a.t;
-  return op.call(grad_aev, tangent, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], a.rc_r,
-                 a.rc_a, a.num_species);
+  static const auto op = find_op<AevDoubleBackwardOp>("torchani_fast::aev_double_backward");
+  return call_op(op, a, grad_aev, tangent);
 }
 
-AevArgs make_args(const at::Tensor& species, const at::Tensor& pairs, const at::Tensor& diff,
-                  const at::Tensor& r_eta, const at::Tensor& r_shifts, const at::Tensor& a_eta,
-                  const at::Tensor& a_zeta, const at::Tensor& a_shifts,
-                  const at::Tensor& a_sections, double rc_r, double rc_a, int64_t num_species) {
-  return AevArgs{{species, pairs, diff, r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections},
-                 rc_r,
-                 rc_a,
-                 num_species};
-}
+// The autograd Function of an AEV op with leading tensors Lead... (schema
+// order: lead..., species, pairs, diff, constants). forward saves the first
+// D::kSavedLead leading tensors and the AEV arguments and calls D::call;
+// D::backward fills the input gradients it defines. Gradients w.r.t. the AEV
+// constants are not computed (they are buffers in every ANI model): undefined
+// tensors tell autograd so.
+template <typename D, typename Op>
+class AevFunction;
 
-// aev_backward(g, diff) = J(diff)^T g. Its backward, for an incoming w (P, 3):
-//   d/d g    <w, J^T g> = J w                          -> aev_jvp(w)
-//   d/d diff <w, J^T g> = (sum_f g_f Hess aev_f) w     -> aev_double_backward(g, w)
-class AevBackwardFunction : public torch::autograd::Function<AevBackwardFunction> {
+template <typename D, typename... Lead>
+class AevFunction<D, AevOp<at::Tensor, Lead...>>
+    : public torch::autograd::Function<AevFunction<D, AevOp<at::Tensor, Lead...>>> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_aev,
-                            const at::Tensor& species, const at::Tensor& pairs,
-                            const at::Tensor& diff, const at::Tensor& r_eta,
-                            const at::Tensor& r_shifts, const at::Tensor& a_eta,
-                            const at::Tensor& a_zeta, const at::Tensor& a_shifts,
-                            const at::Tensor& a_sections, double rc_r, double rc_a,
-                            int64_t num_species) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    const auto args = make_args(species, pairs, diff, r_eta, r_shifts, a_eta, a_zeta, a_shifts,
-                                a_sections, rc_r, rc_a, num_species);
-    save_aev_args(ctx, {grad_aev}, args);
-    return call_aev_backward(grad_aev, args);
-  }
+  static constexpr size_t kNumLead = sizeof...(Lead);
 
-  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    AevArgs a;
-    const auto lead = load_aev_args(ctx, 1, a);
-    const at::Tensor& grad_aev = lead[0];
-    const at::Tensor& w = grads[0];
-    tensor_list out(13);
-    // Input order: grad_aev, species, pairs, diff, ...
-    if (ctx->needs_input_grad(0)) out[0] = call_aev_jvp(w, a).view(grad_aev.sizes());
-    if (ctx->needs_input_grad(3)) out[3] = call_aev_double_backward(grad_aev, w, a);
-    return out;
-  }
-};
-
-// aev_jvp(t, diff) = J(diff) t. For an incoming w (shape of the AEV):
-//   d/d t    <w, J t> = J^T w                          -> aev_backward(w)
-//   d/d diff <w, J t> = (sum_f w_f Hess aev_f) t       -> aev_double_backward(w, t)
-class AevJvpFunction : public torch::autograd::Function<AevJvpFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& tangent,
-                            const at::Tensor& species, const at::Tensor& pairs,
-                            const at::Tensor& diff, const at::Tensor& r_eta,
-                            const at::Tensor& r_shifts, const at::Tensor& a_eta,
-                            const at::Tensor& a_zeta, const at::Tensor& a_shifts,
-                            const at::Tensor& a_sections, double rc_r, double rc_a,
-                            int64_t num_species) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    const auto args = make_args(species, pairs, diff, r_eta, r_shifts, a_eta, a_zeta, a_shifts,
-                                a_sections, rc_r, rc_a, num_species);
-    save_aev_args(ctx, {tangent}, args);
-    return call_aev_jvp(tangent, args);
-  }
-
-  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    AevArgs a;
-    const auto lead = load_aev_args(ctx, 1, a);
-    const at::Tensor& tangent = lead[0];
-    const at::Tensor& w = grads[0];
-    tensor_list out(13);
-    // Input order: tangent, species, pairs, diff, ...
-    if (ctx->needs_input_grad(0)) out[0] = call_aev_backward(w, a);
-    if (ctx->needs_input_grad(3)) out[3] = call_aev_double_backward(w, tangent, a);
-    return out;
-  }
-};
-
-// aev_double_backward(g, t, diff) = H(g, diff) t with H symmetric, so its
-// derivative w.r.t. t is H(g, diff) w. Derivatives w.r.t. g and diff are third
-// derivatives of the AEV: not implemented, and refused rather than dropped.
-class AevDoubleBackwardFunction : public torch::autograd::Function<AevDoubleBackwardFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_aev,
-                            const at::Tensor& tangent, const at::Tensor& species,
+  static at::Tensor forward(AutogradContext* ctx, Lead... lead, const at::Tensor& species,
                             const at::Tensor& pairs, const at::Tensor& diff,
                             const at::Tensor& r_eta, const at::Tensor& r_shifts,
                             const at::Tensor& a_eta, const at::Tensor& a_zeta,
                             const at::Tensor& a_shifts, const at::Tensor& a_sections,
                             double rc_r, double rc_a, int64_t num_species) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    const auto args = make_args(species, pairs, diff, r_eta, r_shifts, a_eta, a_zeta, a_shifts,
-                                a_sections, rc_r, rc_a, num_species);
-    save_aev_args(ctx, {grad_aev}, args);
-    return call_aev_double_backward(grad_aev, tangent, args);
+    const AevArgs a{{species, pairs, diff, r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections},
+                    rc_r,
+                    rc_a,
+                    num_species};
+    tensor_list saved{lead...};
+    saved.resize(D::kSavedLead);
+    save_aev_args(ctx, saved, a);
+    return D::call(a, lead...);
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    // Input order: grad_aev, tangent, species, pairs, diff, ...
+    AevArgs a;
+    const auto saved = load_aev_args(ctx, D::kSavedLead, a);
+    tensor_list out(kNumLead + 12);
+    D::backward(ctx, saved, grads[0], a, out);
+    return out;
+  }
+
+  // The op's Autograd kernel (ops.h), AEVParams passed on flat.
+  static at::Tensor kernel(Lead... lead, const at::Tensor& species, const at::Tensor& pairs,
+                           const at::Tensor& diff, const AEVParams& p) {
+    return AevFunction::apply(lead..., species, pairs, diff, p.radial_eta, p.radial_shifts,
+                              p.angular_eta, p.angular_zeta, p.angular_shifts,
+                              p.angular_sections, p.radial_cutoff, p.angular_cutoff,
+                              p.num_species);
+  }
+};
+
+// In every backward below, `w` is the incoming gradient and `out` is indexed in
+// schema order (leading tensors, then species, pairs, diff, ...).
+
+// aev(diff): its backward is aev_backward(w).
+struct AevDerivs {
+  static constexpr size_t kSavedLead = 0;
+  static at::Tensor call(const AevArgs& a) { return call_aev(a); }
+  static void backward(AutogradContext* ctx, const tensor_list&, const at::Tensor& w,
+                       const AevArgs& a, tensor_list& out) {
+    if (ctx->needs_input_grad(2)) out[2] = call_aev_backward(w, a);
+  }
+};
+
+// aev_backward(g, diff) = J(diff)^T g. Its backward, for an incoming w (P, 3):
+//   d/d g    <w, J^T g> = J w                          -> aev_jvp(w)
+//   d/d diff <w, J^T g> = (sum_f g_f Hess aev_f) w     -> aev_double_backward(g, w)
+struct AevBackwardDerivs {
+  static constexpr size_t kSavedLead = 1;
+  static at::Tensor call(const AevArgs& a, const at::Tensor& grad_aev) {
+    return call_aev_backward(grad_aev, a);
+  }
+  static void backward(AutogradContext* ctx, const tensor_list& saved, const at::Tensor& w,
+                       const AevArgs& a, tensor_list& out) {
+    const at::Tensor& grad_aev = saved[0];
+    if (ctx->needs_input_grad(0)) out[0] = call_aev_jvp(w, a).view(grad_aev.sizes());
+    if (ctx->needs_input_grad(3)) out[3] = call_aev_double_backward(grad_aev, w, a);
+  }
+};
+
+// aev_jvp(t, diff) = J(diff) t. For an incoming w (shape of the AEV):
+//   d/d t    <w, J t> = J^T w                          -> aev_backward(w)
+//   d/d diff <w, J t> = (sum_f w_f Hess aev_f) t       -> aev_double_backward(w, t)
+struct AevJvpDerivs {
+  static constexpr size_t kSavedLead = 1;
+  static at::Tensor call(const AevArgs& a, const at::Tensor& tangent) {
+    return call_aev_jvp(tangent, a);
+  }
+  static void backward(AutogradContext* ctx, const tensor_list& saved, const at::Tensor& w,
+                       const AevArgs& a, tensor_list& out) {
+    if (ctx->needs_input_grad(0)) out[0] = call_aev_backward(w, a);
+    if (ctx->needs_input_grad(3)) out[3] = call_aev_double_backward(w, saved[0], a);
+  }
+};
+
+// aev_double_backward(g, t, diff) = H(g, diff) t with H symmetric, so its
+// derivative w.r.t. t is H(g, diff) w. Derivatives w.r.t. g and diff are third
+// derivatives of the AEV: not implemented, and refused rather than dropped.
+// Only g is saved.
+struct AevDoubleBackwardDerivs {
+  static constexpr size_t kSavedLead = 1;
+  static at::Tensor call(const AevArgs& a, const at::Tensor& grad_aev, const at::Tensor& tangent) {
+    return call_aev_double_backward(grad_aev, tangent, a);
+  }
+  static void backward(AutogradContext* ctx, const tensor_list& saved, const at::Tensor& w,
+                       const AevArgs& a, tensor_list& out) {
     TORCH_CHECK(!ctx->needs_input_grad(0) && !ctx->needs_input_grad(4),
                 "torchani_fast::aev_double_backward: third derivatives of the AEV (the "
                 "derivative of a Hessian or of a force-training gradient with respect to "
                 "coordinates or network outputs) are not implemented");
-    AevArgs a;
-    const auto lead = load_aev_args(ctx, 1, a);
-    tensor_list out(14);
-    if (ctx->needs_input_grad(1)) out[1] = call_aev_double_backward(lead[0], grads[0], a);
-    return out;
+    if (ctx->needs_input_grad(1)) out[1] = call_aev_double_backward(saved[0], w, a);
   }
 };
 
@@ -263,59 +222,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_autograd(
 }
 
 at::Tensor aev_autograd(const at::Tensor& species, const at::Tensor& pairs,
-                        const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
-                        const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
-                        const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
-                        const at::Tensor& angular_sections, double radial_cutoff,
-                        double angular_cutoff, int64_t num_species) {
-  return AevFunction::apply(species, pairs, diff_vectors, radial_eta, radial_shifts,
-                            angular_eta, angular_zeta, angular_shifts, angular_sections,
-                            radial_cutoff, angular_cutoff, num_species);
+                        const at::Tensor& diff_vectors, const AEVParams& p) {
+  return AevFunction<AevDerivs, AevForwardOp>::kernel(species, pairs, diff_vectors, p);
 }
 
 at::Tensor aev_backward_autograd(const at::Tensor& grad_aev, const at::Tensor& species,
                                  const at::Tensor& pairs, const at::Tensor& diff_vectors,
-                                 const at::Tensor& radial_eta, const at::Tensor& radial_shifts,
-                                 const at::Tensor& angular_eta, const at::Tensor& angular_zeta,
-                                 const at::Tensor& angular_shifts,
-                                 const at::Tensor& angular_sections, double radial_cutoff,
-                                 double angular_cutoff, int64_t num_species) {
-  return AevBackwardFunction::apply(grad_aev, species, pairs, diff_vectors, radial_eta,
-                                    radial_shifts, angular_eta, angular_zeta, angular_shifts,
-                                    angular_sections, radial_cutoff, angular_cutoff, num_species);
+                                 const AEVParams& p) {
+  return AevFunction<AevBackwardDerivs, AevBackwardOp>::kernel(grad_aev, species, pairs,
+                                                               diff_vectors, p);
 }
 
 at::Tensor aev_jvp_autograd(const at::Tensor& tangent, const at::Tensor& species,
                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
-                            const at::Tensor& radial_eta, const at::Tensor& radial_shifts,
-                            const at::Tensor& angular_eta, const at::Tensor& angular_zeta,
-                            const at::Tensor& angular_shifts, const at::Tensor& angular_sections,
-                            double radial_cutoff, double angular_cutoff, int64_t num_species) {
-  return AevJvpFunction::apply(tangent, species, pairs, diff_vectors, radial_eta, radial_shifts,
-                               angular_eta, angular_zeta, angular_shifts, angular_sections,
-                               radial_cutoff, angular_cutoff, num_species);
+                            const AEVParams& p) {
+  return AevFunction<AevJvpDerivs, AevBackwardOp>::kernel(tangent, species, pairs, diff_vectors,
+                                                          p);
 }
 
-at::Tensor aev_double_backward_autograd(
-    const at::Tensor& grad_aev, const at::Tensor& tangent, const at::Tensor& species,
-    const at::Tensor& pairs, const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
-    const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
-    const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
-    const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
-    int64_t num_species) {
-  return AevDoubleBackwardFunction::apply(grad_aev, tangent, species, pairs, diff_vectors,
-                                          radial_eta, radial_shifts, angular_eta, angular_zeta,
-                                          angular_shifts, angular_sections, radial_cutoff,
-                                          angular_cutoff, num_species);
+at::Tensor aev_double_backward_autograd(const at::Tensor& grad_aev, const at::Tensor& tangent,
+                                        const at::Tensor& species, const at::Tensor& pairs,
+                                        const at::Tensor& diff_vectors, const AEVParams& p) {
+  return AevFunction<AevDoubleBackwardDerivs, AevDoubleBackwardOp>::kernel(
+      grad_aev, tangent, species, pairs, diff_vectors, p);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
     const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
-    const at::Tensor& pairs, const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
-    const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
-    const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
-    const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
-    int64_t num_species) {
+    const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p) {
   // Building blocks of whole Hessians, evaluated under no_grad: refuse rather
   // than return outputs that would silently not differentiate.
   TORCH_CHECK(!(at::GradMode::is_enabled() &&
@@ -323,12 +257,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
               "torchani_fast::aev_local_derivatives is not differentiable: call it under "
               "torch.no_grad() or with detached grad_aev and diff_vectors");
   at::AutoDispatchBelowADInplaceOrView guard;
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchani_fast::aev_local_derivatives", "")
-                       .typed<decltype(aev_local_derivatives_autograd)>();
-  return op.call(grad_aev, columns, species, pairs, diff_vectors, radial_eta, radial_shifts,
-                 angular_eta, angular_zeta, angular_shifts, angular_sections, radial_cutoff,
-                 angular_cutoff, num_species);
+  static const auto op = find_op<AevLocalDerivativesOp>("torchani_fast::aev_local_derivatives");
+  return call_op(op, make_args(species, pairs, diff_vectors, p), grad_aev, columns);
 }
 
 }  // namespace torchani_fast

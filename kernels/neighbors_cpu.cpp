@@ -19,17 +19,13 @@
 #include <cmath>
 #include <vector>
 
+#include "neighbors_common.h"
 #include "ops.h"
 
 namespace torchani_fast {
 namespace {
 
-struct Axis {
-  int64_t nb;        // number of bins
-  int64_t reach;     // search radius in bins
-  double lo, width;  // fractional start and bin width
-  bool periodic;
-};
+using neighbors::Axis;
 
 struct MoleculeBins {
   std::array<Axis, 3> axis;
@@ -50,23 +46,11 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
   bool periodic[3] = {false, false, false};
   if (cell) {
     for (int i = 0; i < 9; ++i) C[i] = cell[i];
-    const double det = C[0] * (C[4] * C[8] - C[5] * C[7]) - C[1] * (C[3] * C[8] - C[5] * C[6]) +
-                       C[2] * (C[3] * C[7] - C[4] * C[6]);
-    inv[0] = (C[4] * C[8] - C[5] * C[7]) / det;
-    inv[1] = (C[2] * C[7] - C[1] * C[8]) / det;
-    inv[2] = (C[1] * C[5] - C[2] * C[4]) / det;
-    inv[3] = (C[5] * C[6] - C[3] * C[8]) / det;
-    inv[4] = (C[0] * C[8] - C[2] * C[6]) / det;
-    inv[5] = (C[2] * C[3] - C[0] * C[5]) / det;
-    inv[6] = (C[3] * C[7] - C[4] * C[6]) / det;
-    inv[7] = (C[1] * C[6] - C[0] * C[7]) / det;
-    inv[8] = (C[0] * C[4] - C[1] * C[3]) / det;
+    neighbors::invert_cell(C, inv);
     for (int a = 0; a < 3; ++a) periodic[a] = pbc[a];
   }
-  // |delta f_a| <= cutoff * ||column a of inv|| for any pair closer than cutoff.
   double span[3];
-  for (int a = 0; a < 3; ++a)
-    span[a] = cutoff * std::sqrt(inv[a] * inv[a] + inv[3 + a] * inv[3 + a] + inv[6 + a] * inv[6 + a]);
+  neighbors::fractional_spans(cutoff, inv, span);
 
   const int64_t N = M * A;
   std::vector<double> frac(3 * N, 0.0);   // wrapped fractional coordinates
@@ -90,21 +74,12 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
                     ", ", x[2], ") for atom ", i - m * A, " of molecule ", m);
         for (int a = 0; a < 3; ++a) {
           double f = x[0] * inv[a] + x[1] * inv[3 + a] + x[2] * inv[6 + a];
-          if (periodic[a]) {
-            double k = std::floor(f);
-            f -= k;
-            if (f >= 1.0) {  // f = -1e-17 gives 1 - 1e-17, which rounds to 1
-              f = 0.0;
-              k += 1.0;  // the shift must stay the translation actually removed
-            }
-            shift[3 * i + a] = static_cast<int64_t>(k);
-          }
+          if (periodic[a]) shift[3 * i + a] = static_cast<int64_t>(neighbors::wrap_unit(f));
           frac[3 * i + a] = f;
           lo[a] = std::min(lo[a], f);
           hi[a] = std::max(hi[a], f);
         }
-        for (int c = 0; c < 3; ++c)
-          wrapped[3 * i + c] = frac[3 * i] * C[c] + frac[3 * i + 1] * C[3 + c] + frac[3 * i + 2] * C[6 + c];
+        neighbors::to_cartesian(&frac[3 * i], C, &wrapped[3 * i]);
       }
       if (count == 0) {
         mol.bin_start.assign(2, 0);
@@ -122,12 +97,7 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
         ax.lo = ax.periodic ? 0.0 : lo[a];
         nb[a] = cell_list ? std::max(1.0, std::min(std::floor(extent / span[a]), max_bins)) : 1.0;
       }
-      while (nb[0] * nb[1] * nb[2] > max_bins) {
-        int big = 0;
-        for (int a = 1; a < 3; ++a)
-          if (nb[a] > nb[big]) big = a;
-        nb[big] = std::ceil(nb[big] / 2.0);
-      }
+      neighbors::limit_bins(nb, max_bins);
       int64_t nbins = 1;
       for (int a = 0; a < 3; ++a) {
         mol.axis[a].nb = static_cast<int64_t>(nb[a]);
@@ -180,42 +150,19 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
       if (species[i] < 0) continue;
       const MoleculeBins& mol = mols[i / A];
       int64_t own[3];
-      int64_t b = bin_of[i];
-      for (int a = 2; a >= 0; --a) {
-        own[a] = b % mol.axis[a].nb;
-        b /= mol.axis[a].nb;
-      }
+      neighbors::split_bin(bin_of[i], mol.axis.data(), own);
       auto& mine = found[i / kChunk];
       for (int64_t d0 = -mol.axis[0].reach; d0 <= mol.axis[0].reach; ++d0)
         for (int64_t d1 = -mol.axis[1].reach; d1 <= mol.axis[1].reach; ++d1)
           for (int64_t d2 = -mol.axis[2].reach; d2 <= mol.axis[2].reach; ++d2) {
             const int64_t d[3] = {d0, d1, d2};
-            int64_t bin = 0, img[3];
-            bool valid = true;
-            for (int a = 0; a < 3 && valid; ++a) {
-              const Axis& ax = mol.axis[a];
-              const int64_t v = own[a] + d[a];
-              if (ax.periodic) {
-                const int64_t w = ((v % ax.nb) + ax.nb) % ax.nb;
-                img[a] = (v - w) / ax.nb;
-                bin = bin * ax.nb + w;
-              } else {
-                valid = v >= 0 && v < ax.nb;
-                img[a] = 0;
-                bin = bin * ax.nb + v;
-              }
-            }
-            if (!valid) continue;
-            const bool zero_img = img[0] == 0 && img[1] == 0 && img[2] == 0;
-            // Each unordered pair once: j > i, or j == i with a "positive" image.
-            const bool positive_img =
-                img[0] > 0 || (img[0] == 0 && (img[1] > 0 || (img[1] == 0 && img[2] > 0)));
+            int64_t bin, img[3];
+            if (!neighbors::offset_bin(mol.axis.data(), own, d, bin, img)) continue;
             double t[3];
-            for (int c = 0; c < 3; ++c)
-              t[c] = img[0] * C[c] + img[1] * C[3 + c] + img[2] * C[6 + c];
+            neighbors::image_translation(img, C, t);
             for (int64_t q = mol.bin_start[bin]; q < mol.bin_start[bin + 1]; ++q) {
               const int64_t j = mol.bin_atoms[q];
-              if (j < i || (j == i && (zero_img || !positive_img))) continue;
+              if (!neighbors::owns_pair(i, j, img)) continue;
               double r2 = 0;
               for (int c = 0; c < 3; ++c) {
                 const double v = wrapped[3 * i + c] - wrapped[3 * j + c] - t[c];

@@ -20,6 +20,7 @@
 // data-dependent op) reads the count back once, which is its only host sync,
 // and also reports the errors that the padded op can only encode in the count.
 #include "cuda_common.cuh"
+#include "neighbors_common.h"
 #include "ops.h"
 
 #include <cmath>
@@ -41,12 +42,7 @@ constexpr int64_t kErrNonFinite = 1;
 constexpr int64_t kErrSingular = 2;
 constexpr int64_t kErrThinCell = 4;
 
-struct Axis {
-  int64_t nb;     // number of bins
-  int64_t reach;  // search radius in bins
-  double lo, width;
-  int periodic;
-};
+using neighbors::Axis;
 
 struct Grid {
   Axis axis[3];
@@ -77,8 +73,7 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
     singular = false;
     if (cell != nullptr) {
       for (int k = 0; k < 9; ++k) C[k] = cell[k];
-      const double det = C[0] * (C[4] * C[8] - C[5] * C[7]) - C[1] * (C[3] * C[8] - C[5] * C[6]) +
-                         C[2] * (C[3] * C[7] - C[4] * C[6]);
+      const double det = neighbors::invert_cell(C, inv);
       double scale = 1.0;
       for (int r = 0; r < 3; ++r)
         scale *= sqrt(C[3 * r] * C[3 * r] + C[3 * r + 1] * C[3 * r + 1] + C[3 * r + 2] * C[3 * r + 2]);
@@ -87,20 +82,9 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
         atomic_or_i64(err, kErrSingular);
         err[2] = __double_as_longlong(det);
       }
-      inv[0] = (C[4] * C[8] - C[5] * C[7]) / det;
-      inv[1] = (C[2] * C[7] - C[1] * C[8]) / det;
-      inv[2] = (C[1] * C[5] - C[2] * C[4]) / det;
-      inv[3] = (C[5] * C[6] - C[3] * C[8]) / det;
-      inv[4] = (C[0] * C[8] - C[2] * C[6]) / det;
-      inv[5] = (C[2] * C[3] - C[0] * C[5]) / det;
-      inv[6] = (C[3] * C[7] - C[4] * C[6]) / det;
-      inv[7] = (C[1] * C[6] - C[0] * C[7]) / det;
-      inv[8] = (C[0] * C[4] - C[1] * C[3]) / det;
       for (int a = 0; a < 3; ++a) periodic[a] = pbc[a] ? 1 : 0;
     }
-    // |delta f_a| <= cutoff * ||column a of inv|| for any pair closer than cutoff.
-    for (int a = 0; a < 3; ++a)
-      span[a] = cutoff * sqrt(inv[a] * inv[a] + inv[3 + a] * inv[3 + a] + inv[6 + a] * inv[6 + a]);
+    neighbors::fractional_spans(cutoff, inv, span);
   }
   __syncthreads();
 
@@ -122,12 +106,7 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
       double f = x[0] * inv[a] + x[1] * inv[3 + a] + x[2] * inv[6 + a];
       int64_t k = 0;
       if (periodic[a]) {
-        double fk = floor(f);
-        f -= fk;
-        if (f >= 1.0) {  // f = -1e-17 gives 1 - 1e-17, which rounds to 1
-          f = 0.0;
-          fk += 1.0;  // the shift must stay the translation actually removed
-        }
+        const double fk = neighbors::wrap_unit(f);
         k = isfinite(fk) ? static_cast<int64_t>(fk) : 0;
       }
       shift[3 * i + a] = k;
@@ -135,9 +114,7 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
       lo[a] = fmin(lo[a], f);
       hi[a] = fmax(hi[a], f);
     }
-    for (int c = 0; c < 3; ++c)
-      wrapped[3 * i + c] =
-          frac[3 * i] * C[c] + frac[3 * i + 1] * C[3 + c] + frac[3 * i + 2] * C[6 + c];
+    neighbors::to_cartesian(frac + 3 * i, C, wrapped + 3 * i);
   }
   for (int a = 0; a < 3; ++a) {
     red_lo[a][t] = lo[a];
@@ -174,12 +151,7 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
         nb[a] = cell_list ? fmax(1.0, fmin(floor(extent / span[a]), max_bins)) : 1.0;
         if (!(nb[a] >= 1.0)) nb[a] = 1.0;  // NaN
       }
-      while (nb[0] * nb[1] * nb[2] > max_bins) {
-        int big = 0;
-        for (int a = 1; a < 3; ++a)
-          if (nb[a] > nb[big]) big = a;
-        nb[big] = ceil(nb[big] / 2.0);
-      }
+      neighbors::limit_bins(nb, max_bins);
       for (int a = 0; a < 3; ++a) grid.axis[a].nb = static_cast<int64_t>(nb[a]);
       bool thin = false;
       for (int a = 0; a < 3; ++a) {
@@ -244,43 +216,21 @@ __device__ void for_each_partner(int64_t i, int64_t A, int64_t bins_per_mol,
   const Grid& g = grids[m];
   const int64_t base = m * bins_per_mol;
   int64_t own[3];
-  int64_t b = gb - base;
-  for (int a = 2; a >= 0; --a) {
-    own[a] = b % g.axis[a].nb;
-    b /= g.axis[a].nb;
-  }
+  neighbors::split_bin(gb - base, g.axis, own);
   const double xi[3] = {wrapped[3 * i], wrapped[3 * i + 1], wrapped[3 * i + 2]};
   const int64_t r0 = g.axis[0].reach, r1 = g.axis[1].reach, r2 = g.axis[2].reach;
   for (int64_t d0 = -r0; d0 <= r0; ++d0)
     for (int64_t d1 = -r1; d1 <= r1; ++d1)
       for (int64_t d2 = -r2; d2 <= r2; ++d2) {
         const int64_t d[3] = {d0, d1, d2};
-        int64_t bin = 0, img[3];
-        bool valid = true;
-        for (int a = 0; a < 3 && valid; ++a) {
-          const Axis& ax = g.axis[a];
-          const int64_t v = own[a] + d[a];
-          if (ax.periodic) {
-            const int64_t w = ((v % ax.nb) + ax.nb) % ax.nb;
-            img[a] = (v - w) / ax.nb;
-            bin = bin * ax.nb + w;
-          } else {
-            valid = v >= 0 && v < ax.nb;
-            img[a] = 0;
-            bin = bin * ax.nb + v;
-          }
-        }
-        if (!valid) continue;
-        const bool zero_img = img[0] == 0 && img[1] == 0 && img[2] == 0;
-        const bool positive_img =
-            img[0] > 0 || (img[0] == 0 && (img[1] > 0 || (img[1] == 0 && img[2] > 0)));
+        int64_t bin, img[3];
+        if (!neighbors::offset_bin(g.axis, own, d, bin, img)) continue;
         double tr[3];
-        for (int c = 0; c < 3; ++c)
-          tr[c] = img[0] * g.C[c] + img[1] * g.C[3 + c] + img[2] * g.C[6 + c];
+        neighbors::image_translation(img, g.C, tr);
         const int64_t qe = bin_start[base + bin + 1];
         for (int64_t q = bin_start[base + bin]; q < qe; ++q) {
           const int64_t j = bin_atoms[q];
-          if (j < i || (j == i && (zero_img || !positive_img))) continue;
+          if (!neighbors::owns_pair(i, j, img)) continue;
           double rr = 0;
           for (int c = 0; c < 3; ++c) {
             const double v = xi[c] - wrapped[3 * j + c] - tr[c];

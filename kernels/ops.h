@@ -1,4 +1,4 @@
-// Declarations of every torchani_fast kernel. Schemas live in registration.cpp.
+// Declarations of every torchani_fast kernel. Schemas live in schemas.h.
 //
 // Data flow of one energy + forces evaluation (M molecules, A atoms each,
 // N = M*A flattened atoms, P neighbour pairs):
@@ -84,6 +84,38 @@ struct AEVParams {
   int64_t num_species;
 };
 
+// The AEV ops' schemas spell the AEVParams fields out after species, pairs and
+// diff_vectors, themselves after the op's own leading tensors (Lead: none,
+// grad_aev, ...). AevOp<R, Lead...>::flat<kernel> is `kernel`, which takes an
+// AEVParams, with that flat signature: what registration expects.
+template <typename R, typename... Lead>
+struct AevOp {
+  using Kernel = R (*)(Lead..., const at::Tensor& species, const at::Tensor& pairs,
+                       const at::Tensor& diff_vectors, const AEVParams& p);
+  template <Kernel kernel>
+  static R flat(Lead... lead, const at::Tensor& species, const at::Tensor& pairs,
+                const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
+                const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
+                const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
+                const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
+                int64_t num_species) {
+    return kernel(lead..., species, pairs, diff_vectors,
+                  AEVParams{radial_eta, radial_shifts, angular_eta, angular_zeta, angular_shifts,
+                            angular_sections, radial_cutoff, angular_cutoff, num_species});
+  }
+  // The flat signature, for typed dispatcher calls.
+  using Schema = R(Lead..., const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   const at::Tensor&, const at::Tensor&, double, double, int64_t);
+};
+using TensorRef = const at::Tensor&;
+using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+// One alias per AEV op schema (its return type and leading tensors).
+using AevForwardOp = AevOp<at::Tensor>;                                   // aev
+using AevBackwardOp = AevOp<at::Tensor, TensorRef>;                       // aev_backward, aev_jvp
+using AevDoubleBackwardOp = AevOp<at::Tensor, TensorRef, TensorRef>;      // aev_double_backward
+using AevLocalDerivativesOp = AevOp<Tensor3, TensorRef, TensorRef>;       // aev_local_derivatives
+
 at::Tensor aev_forward_cpu(const at::Tensor& species, const at::Tensor& pairs,
                            const at::Tensor& diff_vectors, const AEVParams& p);
 at::Tensor aev_backward_cpu(const at::Tensor& grad_aev, const at::Tensor& species,
@@ -150,41 +182,22 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_autograd(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_autograd(
     const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
     const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs);
+// The AEV ones take AEVParams; registration gives them the flat schema signature
+// (AevOp::flat), and they pass it on flat to autograd.
 at::Tensor aev_autograd(const at::Tensor& species, const at::Tensor& pairs,
-                        const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
-                        const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
-                        const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
-                        const at::Tensor& angular_sections, double radial_cutoff,
-                        double angular_cutoff, int64_t num_species);
+                        const at::Tensor& diff_vectors, const AEVParams& p);
 at::Tensor aev_backward_autograd(const at::Tensor& grad_aev, const at::Tensor& species,
                                  const at::Tensor& pairs, const at::Tensor& diff_vectors,
-                                 const at::Tensor& radial_eta, const at::Tensor& radial_shifts,
-                                 const at::Tensor& angular_eta, const at::Tensor& angular_zeta,
-                                 const at::Tensor& angular_shifts,
-                                 const at::Tensor& angular_sections, double radial_cutoff,
-                                 double angular_cutoff, int64_t num_species);
-
+                                 const AEVParams& p);
 at::Tensor aev_jvp_autograd(const at::Tensor& tangent, const at::Tensor& species,
                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
-                            const at::Tensor& radial_eta, const at::Tensor& radial_shifts,
-                            const at::Tensor& angular_eta, const at::Tensor& angular_zeta,
-                            const at::Tensor& angular_shifts, const at::Tensor& angular_sections,
-                            double radial_cutoff, double angular_cutoff, int64_t num_species);
-at::Tensor aev_double_backward_autograd(
-    const at::Tensor& grad_aev, const at::Tensor& tangent, const at::Tensor& species,
-    const at::Tensor& pairs, const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
-    const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
-    const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
-    const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
-    int64_t num_species);
-
+                            const AEVParams& p);
+at::Tensor aev_double_backward_autograd(const at::Tensor& grad_aev, const at::Tensor& tangent,
+                                        const at::Tensor& species, const at::Tensor& pairs,
+                                        const at::Tensor& diff_vectors, const AEVParams& p);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
     const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
-    const at::Tensor& pairs, const at::Tensor& diff_vectors, const at::Tensor& radial_eta,
-    const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
-    const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
-    const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
-    int64_t num_species);
+    const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p);
 
 // Argument checks shared by every backend (names the argument and the value).
 void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tensor& pairs,

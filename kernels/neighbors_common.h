@@ -1,0 +1,114 @@
+// The per-atom and per-bin arithmetic of the neighbour search, written once for
+// neighbors_cpu.cpp and neighbors_cuda.cu (see neighbors_cpu.cpp for the
+// algorithm). Plain C++ on raw pointers, so nvcc compiles it for the device.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "host_device.h"
+
+namespace torchani_fast {
+namespace neighbors {
+
+struct Axis {
+  int64_t nb;        // number of bins
+  int64_t reach;     // search radius in bins
+  double lo, width;  // fractional start and bin width
+  int periodic;
+};
+
+// inv = C^-1 for the row-major 3x3 C (x = f @ C, f = x @ inv); returns det(C).
+TF_HOST_DEVICE inline double invert_cell(const double* C, double* inv) {
+  const double det = C[0] * (C[4] * C[8] - C[5] * C[7]) - C[1] * (C[3] * C[8] - C[5] * C[6]) +
+                     C[2] * (C[3] * C[7] - C[4] * C[6]);
+  inv[0] = (C[4] * C[8] - C[5] * C[7]) / det;
+  inv[1] = (C[2] * C[7] - C[1] * C[8]) / det;
+  inv[2] = (C[1] * C[5] - C[2] * C[4]) / det;
+  inv[3] = (C[5] * C[6] - C[3] * C[8]) / det;
+  inv[4] = (C[0] * C[8] - C[2] * C[6]) / det;
+  inv[5] = (C[2] * C[3] - C[0] * C[5]) / det;
+  inv[6] = (C[3] * C[7] - C[4] * C[6]) / det;
+  inv[7] = (C[1] * C[6] - C[0] * C[7]) / det;
+  inv[8] = (C[0] * C[4] - C[1] * C[3]) / det;
+  return det;
+}
+
+// |delta f_a| <= cutoff * ||column a of inv|| for any pair closer than cutoff.
+TF_HOST_DEVICE inline void fractional_spans(double cutoff, const double* inv, double* span) {
+  for (int a = 0; a < 3; ++a)
+    span[a] = cutoff * sqrt(inv[a] * inv[a] + inv[3 + a] * inv[3 + a] + inv[6 + a] * inv[6 + a]);
+}
+
+// Wraps the fractional coordinate f into [0, 1); returns the translation removed.
+TF_HOST_DEVICE inline double wrap_unit(double& f) {
+  double k = floor(f);
+  f -= k;
+  if (f >= 1.0) {  // f = -1e-17 gives 1 - 1e-17, which rounds to 1
+    f = 0.0;
+    k += 1.0;  // the shift must stay the translation actually removed
+  }
+  return k;
+}
+
+// Cartesian coordinates out = f @ C.
+TF_HOST_DEVICE inline void to_cartesian(const double* f, const double* C, double* out) {
+  for (int c = 0; c < 3; ++c) out[c] = f[0] * C[c] + f[1] * C[3 + c] + f[2] * C[6 + c];
+}
+
+// Halves the largest bin count until the grid has at most max_bins bins.
+TF_HOST_DEVICE inline void limit_bins(double* nb, double max_bins) {
+  while (nb[0] * nb[1] * nb[2] > max_bins) {
+    int big = 0;
+    for (int a = 1; a < 3; ++a)
+      if (nb[a] > nb[big]) big = a;
+    nb[big] = ceil(nb[big] / 2.0);
+  }
+}
+
+// The (3-D) bin coordinates own[] of the flat bin index b.
+TF_HOST_DEVICE inline void split_bin(int64_t b, const Axis* axis, int64_t* own) {
+  for (int a = 2; a >= 0; --a) {
+    own[a] = b % axis[a].nb;
+    b /= axis[a].nb;
+  }
+}
+
+// The bin at offset d[] from own[]: its flat index and the periodic image img[]
+// it lies in. False when it falls outside a non-periodic axis.
+TF_HOST_DEVICE inline bool offset_bin(const Axis* axis, const int64_t* own, const int64_t* d,
+                                      int64_t& bin, int64_t* img) {
+  bin = 0;
+  bool valid = true;
+  for (int a = 0; a < 3 && valid; ++a) {
+    const Axis& ax = axis[a];
+    const int64_t v = own[a] + d[a];
+    if (ax.periodic) {
+      const int64_t w = ((v % ax.nb) + ax.nb) % ax.nb;
+      img[a] = (v - w) / ax.nb;
+      bin = bin * ax.nb + w;
+    } else {
+      valid = v >= 0 && v < ax.nb;
+      img[a] = 0;
+      bin = bin * ax.nb + v;
+    }
+  }
+  return valid;
+}
+
+// Whether atom i owns its pair with atom j in image img (each unordered pair
+// once): j > i, or j == i with a "positive" image.
+TF_HOST_DEVICE inline bool owns_pair(int64_t i, int64_t j, const int64_t* img) {
+  const bool zero_img = img[0] == 0 && img[1] == 0 && img[2] == 0;
+  const bool positive_img =
+      img[0] > 0 || (img[0] == 0 && (img[1] > 0 || (img[1] == 0 && img[2] > 0)));
+  return !(j < i || (j == i && (zero_img || !positive_img)));
+}
+
+// The lattice translation t = img @ C.
+TF_HOST_DEVICE inline void image_translation(const int64_t* img, const double* C, double* t) {
+  for (int c = 0; c < 3; ++c) t[c] = img[0] * C[c] + img[1] * C[3 + c] + img[2] * C[6 + c];
+}
+
+}  // namespace neighbors
+}  // namespace torchani_fast

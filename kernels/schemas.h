@@ -1,0 +1,31 @@
+// The schema of every torchani_fast op, shared by registration.cpp (the one
+// TORCH_LIBRARY) and the CUDA emulator's tests/cuda_emulation/emu_registration.cpp.
+#pragma once
+
+#define TORCHANI_FAST_AEV_ARGS                                                              \
+  "Tensor species, Tensor pairs, Tensor diff_vectors, Tensor radial_eta, "                  \
+  "Tensor radial_shifts, Tensor angular_eta, Tensor angular_zeta, Tensor angular_shifts, "  \
+  "Tensor angular_sections, float radial_cutoff, float angular_cutoff, int num_species"
+
+namespace torchani_fast::schema {
+
+constexpr const char* kNeighborPairs =
+    "neighbor_pairs(Tensor species, Tensor coords, Tensor? cell, Tensor? pbc, float cutoff, "
+    "bool cell_list) -> (Tensor pairs, Tensor images)";
+constexpr const char* kNeighborPairsPadded =
+    "neighbor_pairs_padded(Tensor species, Tensor coords, Tensor? cell, Tensor? pbc, "
+    "float cutoff, bool cell_list, int max_pairs) -> (Tensor pairs, Tensor images, "
+    "Tensor num_pairs)";
+constexpr const char* kAev = "aev(" TORCHANI_FAST_AEV_ARGS ") -> Tensor";
+constexpr const char* kAevBackward = "aev_backward(Tensor grad_aev, " TORCHANI_FAST_AEV_ARGS
+                                     ") -> Tensor";
+constexpr const char* kAevJvp = "aev_jvp(Tensor tangent, " TORCHANI_FAST_AEV_ARGS ") -> Tensor";
+constexpr const char* kAevDoubleBackward =
+    "aev_double_backward(Tensor grad_aev, Tensor tangent, " TORCHANI_FAST_AEV_ARGS ") -> Tensor";
+constexpr const char* kAevLocalDerivatives =
+    "aev_local_derivatives(Tensor grad_aev, Tensor columns, " TORCHANI_FAST_AEV_ARGS
+    ") -> (Tensor local_atoms, Tensor jacobian, Tensor curvature)";
+
+}  // namespace torchani_fast::schema
+
+#undef TORCHANI_FAST_AEV_ARGS

@@ -162,9 +162,11 @@ class _FusedBase(AtomicContainer):
         """
         assert aevs is not None, "aevs is required"
         assert elem_idxs.shape == aevs.shape[:-1], "elem_idxs must be (M, A) and aevs (M, A, F)"
-        molecules = elem_idxs.shape[0]
-        atoms = elem_idxs.shape[1]
         values = self._member_atomic(elem_idxs.flatten(), aevs.flatten(0, 1))
+        return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], atomic, ensemble_values)
+
+    def _reduce(self, values: Tensor, molecules: int, atoms: int, atomic: bool, ensemble_values: bool) -> Tensor:
+        """``forward``'s output from the members' atomic energies (k, M*A)."""
         values = values.view(values.shape[0], molecules, atoms)
         if not self.is_ensemble:
             return values[0] if atomic else values[0].sum(1)
@@ -265,17 +267,8 @@ class _FusedBase(AtomicContainer):
             cols = first[0]
             x = xs[g] if cols.shape[0] == aev.shape[1] else xs[g].index_select(1, cols)
             o = self.offsets[e]
-            layers = self.num_layers[e]
-            h = _first_layer(x, first[1], hidden[o], k, self.small_group_atoms)  # (k, n, d1)
-            if layers > 1:
-                # Not in place: the in-place backward recovers exp(x/alpha) from the
-                # output, which does not reproduce TorchANI's forces to 1e-9 in float64.
-                h = torch.nn.functional.celu(h, 0.1)
-                for l in range(1, layers):
-                    h = torch.baddbmm(hidden[o + 2 * l], h, hidden[o + 2 * l - 1])
-                    if l < layers - 1:
-                        h = torch.nn.functional.celu(h, 0.1)
-            outs.append(h.reshape(k, n))
+            packs = hidden[o:o + 2 * self.num_layers[e] - 1]
+            outs.append(_mlp_values(x, first[1], packs, k, self.small_group_atoms)[0])
         return out.index_copy(1, atoms, torch.cat(outs, 1))
 
     def _recompute(self, aev: Tensor, group_elem: tp.List[int], group_size: tp.List[int], k: int) -> bool:
@@ -300,7 +293,7 @@ class _FusedBase(AtomicContainer):
             cols = None if cols.shape[0] == aev.shape[1] else cols
             o = self.offsets[e]
             plan.append((atoms_g, cols, w1, hidden[o:o + 2 * self.num_layers[e] - 1]))
-        return _Recompute.apply(aev, plan, len(act))
+        return _Recompute.apply(aev, plan, len(act), self.small_group_atoms)
 
     @torch.jit.unused
     def fixed_groups(self, elem_idxs: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
@@ -311,15 +304,9 @@ class _FusedBase(AtomicContainer):
         no host synchronisation and can be captured in a CUDA graph.
         """
         flat = elem_idxs.flatten()
-        counts: tp.List[int] = torch.bincount(flat + 1, minlength=self.num_species + 1).tolist()
-        composition = 0
-        for e in range(self.num_species):
-            if counts[e + 1] > 0:
-                composition |= 1 << e
-        elems = [e for e in range(self.num_species) if counts[e + 1] > 0]
-        sizes = [counts[e + 1] for e in elems]
-        atoms = torch.argsort(flat, stable=True).narrow(0, counts[0], sum(sizes))
-        return atoms, elems, [composition] * len(elems), sizes
+        key, n_pad, elems, masks, sizes = self._composition_groups(flat)
+        atoms = torch.argsort(key, stable=True).narrow(0, n_pad, sum(sizes))
+        return atoms, elems, masks, sizes
 
     @torch.jit.unused
     def energies_fixed(
@@ -327,16 +314,31 @@ class _FusedBase(AtomicContainer):
         groups: tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]],
     ) -> Tensor:
         """Energies (M,) like ``forward(elem_idxs, aevs)``, with groups from :meth:`fixed_groups`."""
-        molecules, atoms_per = elem_idxs.shape[0], elem_idxs.shape[1]
         atoms, elems, masks, sizes = groups
+        num_atoms = elem_idxs.numel()
         k = len(self._evaluated_members())
         if k == 0 or not sizes:
-            return aevs.new_zeros(molecules)
-        values = self._grouped_atomic(molecules * atoms_per, aevs.flatten(0, 1), atoms, elems, masks, sizes)
-        values = values.view(k, molecules, atoms_per).sum(2)
-        if not self.is_ensemble:
-            return values[0]
-        return values.sum(0) / len(self.active_members_idxs)
+            values = aevs.new_zeros((k, num_atoms))
+        else:
+            values = self._grouped_atomic(num_atoms, aevs.flatten(0, 1), atoms, elems, masks, sizes)
+        return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], False, False)
+
+    def _composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, int, tp.List[int], tp.List[int], tp.List[int]]:
+        """``_groups`` without splits: one group per element present, all reading every present block."""
+        counts: tp.List[int] = torch.bincount(flat + 1, minlength=self.num_species + 1).tolist()
+        composition = 0
+        for e in range(self.num_species):
+            if counts[e + 1] > 0:
+                composition |= 1 << e
+        elems: tp.List[int] = []
+        masks: tp.List[int] = []
+        sizes: tp.List[int] = []
+        for e in range(self.num_species):
+            if counts[e + 1] > 0:
+                elems.append(e)
+                masks.append(composition)
+                sizes.append(counts[e + 1])
+        return flat, counts[0], elems, masks, sizes
 
     def _groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, int, tp.List[int], tp.List[int], tp.List[int]]:
         """How atoms are grouped for layer 1.
@@ -348,21 +350,11 @@ class _FusedBase(AtomicContainer):
         """
         num_species = self.num_species
         r = self.radial_sublen
+        if r == 0 or flat.shape[0] < 2 * self.split_min_atoms:
+            return self._composition_groups(flat)
         elems: tp.List[int] = []
         masks: tp.List[int] = []
         sizes: tp.List[int] = []
-        if r == 0 or flat.shape[0] < 2 * self.split_min_atoms:
-            counts: tp.List[int] = torch.bincount(flat + 1, minlength=num_species + 1).tolist()
-            composition = 0
-            for e in range(num_species):
-                if counts[e + 1] > 0:
-                    composition |= 1 << e
-            for e in range(num_species):
-                if counts[e + 1] > 0:
-                    elems.append(e)
-                    masks.append(composition)
-                    sizes.append(counts[e + 1])
-            return flat, counts[0], elems, masks, sizes
         # Which elements each atom sees within the radial cutoff: its nonzero radial blocks.
         seen = aev.narrow(1, 0, num_species * r).view(-1, num_species, r).ne(0).any(2)
         row = torch.where(flat < num_species, flat + 1, num_species + 1)  # padding 0, unknown last
@@ -722,18 +714,21 @@ def _gather(aev: Tensor, atoms: Tensor, cols: tp.Optional[Tensor]) -> Tensor:
     return x if cols is None else x.index_select(1, cols)
 
 
-def _mlp_values(x: Tensor, w1: Tensor, packs: tp.List[Tensor], k: int) -> tp.Tuple[Tensor, tp.List[Tensor]]:
+def _mlp_values(
+    x: Tensor, w1: Tensor, packs: tp.List[Tensor], k: int, small: int
+) -> tp.Tuple[Tensor, tp.List[Tensor]]:
     """Outputs (k, n) of one group's networks and the pre-activations (k, n, d) of the hidden layers.
 
     ``packs`` = [b1 (k*d1,), W2 (k, d1, d2), b2 (k, 1, d2), ...] as in ``_pack_hidden``.
+    CELU is not applied in place: the in-place backward recovers exp(x/alpha) from
+    the output, which does not reproduce TorchANI's float64 forces to 1e-9.
     """
     n = x.shape[0]
-    h = _first_layer(x, w1, packs[0], k, SMALL_GROUP_ATOMS)
+    h = _first_layer(x, w1, packs[0], k, small)
     pre: tp.List[Tensor] = []
-    layers = (len(packs) + 1) // 2
-    for l in range(1, layers):
+    for l in range(1, (len(packs) + 1) // 2):
         pre.append(h)
-        h = torch.baddbmm(packs[2 * l], torch.nn.functional.celu(h, CELU_ALPHA), packs[2 * l - 1])
+        h = torch.baddbmm(packs[2 * l], torch.nn.functional.celu(h, 0.1), packs[2 * l - 1])
     return h.reshape(k, n), pre
 
 
@@ -748,14 +743,16 @@ def _celu_backward(grad: Tensor, pre: Tensor) -> Tensor:
     return torch.ops.aten.elu_backward(grad, CELU_ALPHA, 1.0, _CELU_INPUT_SCALE, False, pre)
 
 
-def _mlp_input_grad(grad: Tensor, w1: Tensor, packs: tp.List[Tensor], pre: tp.List[Tensor], k: int) -> Tensor:
+def _mlp_input_grad(
+    grad: Tensor, w1: Tensor, packs: tp.List[Tensor], pre: tp.List[Tensor], k: int, small: int
+) -> Tensor:
     """d(sum grad * outputs) / dx for the outputs of ``_mlp_values``: (n, K)."""
     n = grad.shape[1]
     in_dim = w1.shape[0]
     g = grad.unsqueeze(2)  # (k, n, 1)
     for l in range(len(pre), 0, -1):
         g = _celu_backward(torch.bmm(g, packs[2 * l - 1].transpose(1, 2)), pre[l - 1])  # (k, n, d_l)
-    if n <= SMALL_GROUP_ATOMS:
+    if n <= small:
         return torch.bmm(g, w1.view(in_dim, k, -1).permute(1, 2, 0)).sum(0)
     return g.transpose(0, 1).reshape(n, -1).mm(w1.t())
 
@@ -777,19 +774,20 @@ class _Recompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, aev: Tensor, plan, k: int) -> Tensor:
+    def forward(ctx, aev: Tensor, plan, k: int, small: int) -> Tensor:
         ctx.plan = plan
         ctx.k = k
+        ctx.small = small
         ctx.save_for_backward(aev)
         speculate = aev.device.type == "cpu"
         ctx.jacobians = []
         outs = []
         for atoms, cols, w1, packs in plan:
             for chunk in atoms.split(RECOMPUTE_CHUNK_ATOMS):
-                out, pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, k)
+                out, pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, k, small)
                 outs.append(out)
                 if speculate:
-                    ctx.jacobians.append(_mlp_input_grad(out.new_ones(out.shape), w1, packs, pre, k))
+                    ctx.jacobians.append(_mlp_input_grad(out.new_ones(out.shape), w1, packs, pre, k, small))
         return torch.cat(outs, 1)
 
     @staticmethod
@@ -812,14 +810,14 @@ class _Recompute(torch.autograd.Function):
                 if shared:
                     gx = ctx.jacobians[i] * g[0].unsqueeze(1)
                 else:
-                    pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, ctx.k)[1]
-                    gx = _mlp_input_grad(g, w1, packs, pre, ctx.k)
+                    pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, ctx.k, ctx.small)[1]
+                    gx = _mlp_input_grad(g, w1, packs, pre, ctx.k, ctx.small)
                 index = (chunk,) if cols is None else (chunk.unsqueeze(1), cols.unsqueeze(0))
                 grad = grad.index_put(index, gx) if differentiable else grad.index_put_(index, gx)
                 start += n
                 i += 1
         ctx.jacobians = []
-        return grad, None, None
+        return grad, None, None, None
 
 
 # -- construction helpers ---------------------------------------------------------------

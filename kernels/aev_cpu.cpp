@@ -23,7 +23,7 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
                     const Consts<scalar_t>& k, int64_t num_atoms, scalar_t* aev) {
   at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
     std::vector<Neighbor<scalar_t>> nbrs, ang;
-    std::vector<scalar_t> f1(k.Z), f2(k.A);
+    std::vector<scalar_t> f1(k.Z), f2(k.A), fc_a;
     for (int64_t i = begin; i < end; ++i) {
       if (species[i] < 0) continue;
       scalar_t* row = aev + i * k.F;
@@ -38,7 +38,7 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
         }
         if (n.r <= k.rc_a) ang.push_back(n);
       }
-      std::vector<scalar_t> fc_a(ang.size());
+      fc_a.resize(ang.size());
       for (size_t j = 0; j < ang.size(); ++j) fc_a[j] = cutoff_cos(ang[j].r, k.rc_a);
       for (size_t j = 0; j < ang.size(); ++j) {
         for (size_t l = j + 1; l < ang.size(); ++l) {
@@ -68,7 +68,7 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
                      scalar_t* grad_edge) {
   at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
     std::vector<Neighbor<scalar_t>> nbrs, ang;
-    std::vector<scalar_t> f1(k.Z), df1(k.Z), f2(k.A), df2(k.A);
+    std::vector<scalar_t> f1(k.Z), df1(k.Z), f2(k.A), df2(k.A), fc_a, dfc_a;
     for (int64_t i = begin; i < end; ++i) {
       if (species[i] < 0) continue;
       const scalar_t* grow = grad_aev + i * k.F;
@@ -90,7 +90,8 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
         for (int c = 0; c < 3; ++c) ge[c] += dr * n.v[c] / n.r;
       }
       const size_t na = ang.size();
-      std::vector<scalar_t> fc_a(na), dfc_a(na);
+      fc_a.resize(na);
+      dfc_a.resize(na);
       for (size_t j = 0; j < na; ++j) {
         fc_a[j] = cutoff_cos(ang[j].r, k.rc_a);
         dfc_a[j] = cutoff_cos_deriv(ang[j].r, k.rc_a);
@@ -191,21 +192,12 @@ void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tenso
 
 at::Tensor aev_forward_cpu(const at::Tensor& species, const at::Tensor& pairs,
                            const at::Tensor& diff_vectors, const AEVParams& p) {
-  const char* op = "torchani_fast::aev";
-  check_aev_inputs(op, species, pairs, diff_vectors, p);
-  auto sp = species_checked(op, species, p.num_species);
-  auto pr = pairs.to(at::kLong).contiguous();
-  auto diff = diff_vectors.contiguous();
-  const int64_t N = sp.numel(), P = pr.size(1);
-  std::vector<int64_t> out_shape(species.sizes().begin(), species.sizes().end());
-  out_shape.push_back(aev_length(p));
-  auto aev = at::zeros(out_shape, diff.options());
-  AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_forward_cpu", [&] {
+  const AevInputs in("torchani_fast::aev", species, pairs, diff_vectors, p);
+  auto aev = at::zeros(aev_shape(species, p), in.diff.options());
+  AT_DISPATCH_FLOATING_TYPES(in.diff.scalar_type(), "aev_forward_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = build_half_edges(sp.data_ptr<int64_t>(), N, pr.data_ptr<int64_t>(),
-                              pr.data_ptr<int64_t>() + P, diff.data_ptr<scalar_t>(), P,
-                              p.radial_cutoff);
-    forward_kernel(sp.data_ptr<int64_t>(), diff.data_ptr<scalar_t>(), h, k, N,
+    auto h = in.half_edges<scalar_t>(p.radial_cutoff);
+    forward_kernel(in.species.data_ptr<int64_t>(), in.diff.data_ptr<scalar_t>(), h, k, in.N,
                    aev.data_ptr<scalar_t>());
   });
   return aev;
@@ -215,35 +207,17 @@ at::Tensor aev_backward_cpu(const at::Tensor& grad_aev, const at::Tensor& specie
                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
                             const AEVParams& p) {
   const char* op = "torchani_fast::aev_backward";
-  check_aev_inputs(op, species, pairs, diff_vectors, p);
-  TORCH_CHECK(grad_aev.numel() == species.numel() * aev_length(p), op,
-              ": grad_aev must have shape species.shape + (", aev_length(p), ",), got ",
-              grad_aev.sizes());
-  auto sp = species_checked(op, species, p.num_species);
-  auto pr = pairs.to(at::kLong).contiguous();
-  auto diff = diff_vectors.contiguous();
-  auto g = grad_aev.to(diff.scalar_type()).contiguous();
-  const int64_t N = sp.numel(), P = pr.size(1);
-  auto grad_diff = at::zeros({P, 3}, diff.options());
-  AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_backward_cpu", [&] {
+  const AevInputs in(op, species, pairs, diff_vectors, p);
+  check_grad_aev(op, grad_aev, species, p);
+  auto g = in.working(grad_aev);
+  auto grad_diff = at::zeros({in.P, 3}, in.diff.options());
+  AT_DISPATCH_FLOATING_TYPES(in.diff.scalar_type(), "aev_backward_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = build_half_edges(sp.data_ptr<int64_t>(), N, pr.data_ptr<int64_t>(),
-                              pr.data_ptr<int64_t>() + P, diff.data_ptr<scalar_t>(), P,
-                              p.radial_cutoff);
-    const int64_t E = h.start[N];
-    std::vector<scalar_t> grad_edge(3 * E, scalar_t(0));
-    backward_kernel(sp.data_ptr<int64_t>(), diff.data_ptr<scalar_t>(), h, k, N,
+    auto h = in.half_edges<scalar_t>(p.radial_cutoff);
+    std::vector<scalar_t> grad_edge(3 * h.start[in.N], scalar_t(0));
+    backward_kernel(in.species.data_ptr<int64_t>(), in.diff.data_ptr<scalar_t>(), h, k, in.N,
                     g.data_ptr<scalar_t>(), grad_edge.data());
-    // Back from half edges to pairs: the centre-to-neighbour vector is -diff for
-    // the half edge owned by i0 and +diff for the one owned by i1.
-    scalar_t* gd = grad_diff.data_ptr<scalar_t>();
-    at::parallel_for(0, P, 1024, [&](int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q) {
-        const int64_t e0 = h.edge0[q], e1 = h.edge1[q];
-        if (e0 < 0) continue;
-        for (int c = 0; c < 3; ++c) gd[3 * q + c] = grad_edge[3 * e1 + c] - grad_edge[3 * e0 + c];
-      }
-    });
+    edges_to_pairs(h, grad_edge.data(), in.P, grad_diff.data_ptr<scalar_t>());
   });
   return grad_diff;
 }

@@ -3,6 +3,8 @@
 // constants in the working dtype, the cutoff and the angular triple geometry.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -16,10 +18,8 @@ namespace aev_cpu_detail {
 // The neighbour, triple and cutoff helpers are shared with the CUDA kernels.
 using aev_math::cutoff_cos;
 using aev_math::cutoff_cos_deriv;
-using aev_math::cutoff_cos_deriv2;
 using aev_math::make_triple;
 using aev_math::Neighbor;
-using aev_math::Triple;
 
 // Half edges grouped by their owning atom (compressed sparse rows).
 struct HalfEdges {
@@ -155,19 +155,24 @@ struct HalfEdgeView {
 template <typename scalar_t>
 void gather_neighbors(const HalfEdges& h, int64_t center, const int64_t* species,
                       const scalar_t* diff, std::vector<Neighbor<scalar_t>>& out) {
+  const HalfEdgeView<scalar_t> hv(h, species, diff);
   out.clear();
-  for (int64_t e = h.start[center]; e < h.start[center + 1]; ++e) {
-    const int64_t p = h.pair[e];
-    // diff = x[i0] - x[i1]: the vector from the centre to the neighbour is
-    // -diff when the centre is i0 and +diff when it is i1.
-    const scalar_t sign = (h.edge0[p] == e) ? scalar_t(-1) : scalar_t(1);
-    Neighbor<scalar_t> n;
-    for (int c = 0; c < 3; ++c) n.v[c] = sign * diff[3 * p + c];
-    n.r = std::sqrt(n.v[0] * n.v[0] + n.v[1] * n.v[1] + n.v[2] * n.v[2]);
-    n.species = species[h.other[e]];
-    n.edge = e;
-    out.push_back(n);
-  }
+  for (int64_t e = hv.begin(center); e < hv.end(center); ++e) out.push_back(hv.neighbor(e));
+}
+
+// Per-half-edge values (3 per edge) -> per-pair values (P, 3): the
+// centre-to-neighbour vector is -diff for the half edge owned by i0 and +diff
+// for the one owned by i1. Pairs without half edges are left untouched.
+template <typename scalar_t>
+void edges_to_pairs(const HalfEdges& h, const scalar_t* edge_vals, int64_t num_pairs,
+                    scalar_t* out) {
+  at::parallel_for(0, num_pairs, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t e0 = h.edge0[q], e1 = h.edge1[q];
+      if (e0 < 0) continue;
+      for (int c = 0; c < 3; ++c) out[3 * q + c] = edge_vals[3 * e1 + c] - edge_vals[3 * e0 + c];
+    }
+  });
 }
 
 inline int64_t aev_length(const AEVParams& p) {
@@ -183,6 +188,44 @@ inline at::Tensor species_checked(const char* op, const at::Tensor& species, int
     TORCH_CHECK(sp[i] >= -1 && sp[i] < num_species, op, ": species must be -1 (padding) or in [0, ",
                 num_species, "), got ", sp[i], " at flattened atom ", i);
   return s;
+}
+
+// The inputs of every CPU AEV op, checked and in the kernels' layout: species
+// int64 with valid values, pairs int64 (2, P), diff vectors contiguous (P, 3).
+struct AevInputs {
+  at::Tensor species, pairs, diff;
+  int64_t N, P;
+
+  AevInputs(const char* op, const at::Tensor& species_in, const at::Tensor& pairs_in,
+            const at::Tensor& diff_vectors, const AEVParams& p) {
+    check_aev_inputs(op, species_in, pairs_in, diff_vectors, p);
+    species = species_checked(op, species_in, p.num_species);
+    pairs = pairs_in.to(at::kLong).contiguous();
+    diff = diff_vectors.contiguous();
+    N = species.numel();
+    P = pairs.size(1);
+  }
+  // Another input (grad_aev, a tangent) in the working dtype, contiguous.
+  at::Tensor working(const at::Tensor& t) const { return t.to(diff.scalar_type()).contiguous(); }
+  template <typename scalar_t>
+  HalfEdges half_edges(double cutoff) const {
+    const int64_t* pr = pairs.data_ptr<int64_t>();
+    return build_half_edges(species.data_ptr<int64_t>(), N, pr, pr + P,
+                            diff.data_ptr<scalar_t>(), P, cutoff);
+  }
+};
+
+// Shape of an AEV (species.shape + (F,)) and the check of an incoming AEV gradient.
+inline std::vector<int64_t> aev_shape(const at::Tensor& species, const AEVParams& p) {
+  std::vector<int64_t> shape(species.sizes().begin(), species.sizes().end());
+  shape.push_back(aev_length(p));
+  return shape;
+}
+inline void check_grad_aev(const char* op, const at::Tensor& grad_aev, const at::Tensor& species,
+                           const AEVParams& p) {
+  TORCH_CHECK(grad_aev.numel() == species.numel() * aev_length(p), op,
+              ": grad_aev must have shape species.shape + (", aev_length(p), ",), got ",
+              grad_aev.sizes());
 }
 
 }  // namespace aev_cpu_detail

@@ -53,21 +53,16 @@ at::Tensor aev_jvp_cpu(const at::Tensor& tangent, const at::Tensor& species,
                        const at::Tensor& pairs, const at::Tensor& diff_vectors,
                        const AEVParams& p) {
   const char* op = "torchani_fast::aev_jvp";
-  check_aev_inputs(op, species, pairs, diff_vectors, p);
+  const AevInputs in(op, species, pairs, diff_vectors, p);
   check_tangent(op, tangent, diff_vectors);
-  auto sp = species_checked(op, species, p.num_species);
-  auto pr = pairs.to(at::kLong).contiguous();
-  auto diff = diff_vectors.contiguous();
-  auto t = tangent.to(diff.scalar_type()).contiguous();
-  const int64_t N = sp.numel(), P = pr.size(1);
-  std::vector<int64_t> out_shape(species.sizes().begin(), species.sizes().end());
-  out_shape.push_back(aev_length(p));
-  auto out = at::zeros(out_shape, diff.options());
+  auto t = in.working(tangent);
+  const int64_t N = in.N, P = in.P;
+  const at::Tensor& sp = in.species;
+  const at::Tensor& diff = in.diff;
+  auto out = at::zeros(aev_shape(species, p), diff.options());
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_jvp_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = build_half_edges(sp.data_ptr<int64_t>(), N, pr.data_ptr<int64_t>(),
-                              pr.data_ptr<int64_t>() + P, diff.data_ptr<scalar_t>(), P,
-                              p.radial_cutoff);
+    auto h = in.half_edges<scalar_t>(p.radial_cutoff);
     std::vector<scalar_t> u;
     std::vector<uint8_t> moving;
     edge_directions(h, t.data_ptr<scalar_t>(), P, u, moving);
@@ -91,23 +86,18 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
                                    const at::Tensor& species, const at::Tensor& pairs,
                                    const at::Tensor& diff_vectors, const AEVParams& p) {
   const char* op = "torchani_fast::aev_double_backward";
-  check_aev_inputs(op, species, pairs, diff_vectors, p);
+  const AevInputs in(op, species, pairs, diff_vectors, p);
   check_tangent(op, tangent, diff_vectors);
-  TORCH_CHECK(grad_aev.numel() == species.numel() * aev_length(p), op,
-              ": grad_aev must have shape species.shape + (", aev_length(p), ",), got ",
-              grad_aev.sizes());
-  auto sp = species_checked(op, species, p.num_species);
-  auto pr = pairs.to(at::kLong).contiguous();
-  auto diff = diff_vectors.contiguous();
-  auto g = grad_aev.to(diff.scalar_type()).contiguous();
-  auto t = tangent.to(diff.scalar_type()).contiguous();
-  const int64_t N = sp.numel(), P = pr.size(1);
+  check_grad_aev(op, grad_aev, species, p);
+  auto g = in.working(grad_aev);
+  auto t = in.working(tangent);
+  const int64_t N = in.N, P = in.P;
+  const at::Tensor& sp = in.species;
+  const at::Tensor& diff = in.diff;
   auto out = at::zeros({P, 3}, diff.options());
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_double_backward_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = build_half_edges(sp.data_ptr<int64_t>(), N, pr.data_ptr<int64_t>(),
-                              pr.data_ptr<int64_t>() + P, diff.data_ptr<scalar_t>(), P,
-                              p.radial_cutoff);
+    auto h = in.half_edges<scalar_t>(p.radial_cutoff);
     std::vector<scalar_t> u;
     std::vector<uint8_t> moving;
     edge_directions(h, t.data_ptr<scalar_t>(), P, u, moving);
@@ -123,14 +113,7 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
           aev_math::hvp_center(kv, hv, i, gp + i * kv.F, u.data(), moving.data(), w.data(),
                                fcw.data(), out_edge.data());
     });
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, P, 1024, [&](int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q) {
-        const int64_t e0 = h.edge0[q], e1 = h.edge1[q];
-        if (e0 < 0) continue;
-        for (int c = 0; c < 3; ++c) o[3 * q + c] = out_edge[3 * e1 + c] - out_edge[3 * e0 + c];
-      }
-    });
+    edges_to_pairs(h, out_edge.data(), P, out.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -139,10 +122,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
     const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
     const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p) {
   const char* op = "torchani_fast::aev_local_derivatives";
-  check_aev_inputs(op, species, pairs, diff_vectors, p);
-  TORCH_CHECK(grad_aev.numel() == species.numel() * aev_length(p), op,
-              ": grad_aev must have shape species.shape + (", aev_length(p), ",), got ",
-              grad_aev.sizes());
+  const AevInputs in(op, species, pairs, diff_vectors, p);
+  check_grad_aev(op, grad_aev, species, p);
   TORCH_CHECK(columns.dim() == 1 && (columns.scalar_type() == at::kLong ||
                                      columns.scalar_type() == at::kInt),
               op, ": columns must be a 1-D int64 tensor, got ", columns.scalar_type(), " ",
@@ -159,17 +140,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
       colmap[cp[c]] = c;
     }
   }
-  auto sp = species_checked(op, species, p.num_species);
-  auto pr = pairs.to(at::kLong).contiguous();
-  auto diff = diff_vectors.contiguous();
-  auto g = grad_aev.to(diff.scalar_type()).contiguous();
-  const int64_t N = sp.numel(), P = pr.size(1);
+  auto g = in.working(grad_aev);
+  const int64_t N = in.N;
+  const at::Tensor& sp = in.species;
+  const at::Tensor& diff = in.diff;
   at::Tensor local_atoms, jac, curv;
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_local_derivatives_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = build_half_edges(sp.data_ptr<int64_t>(), N, pr.data_ptr<int64_t>(),
-                              pr.data_ptr<int64_t>() + P, diff.data_ptr<scalar_t>(), P,
-                              p.radial_cutoff);
+    auto h = in.half_edges<scalar_t>(p.radial_cutoff);
     const auto kv = k.view();
     const HalfEdgeView<scalar_t> hv(h, sp.data_ptr<int64_t>(), diff.data_ptr<scalar_t>());
     const int64_t* spp = sp.data_ptr<int64_t>();

@@ -18,7 +18,6 @@ __all__ = ["AEVComputer", "NeighborList"]
 
 # Below this many atoms per molecule testing every pair is cheaper than binning.
 CELL_LIST_MIN_ATOMS = 256
-_STRATEGIES = ("auto", "all_pairs", "cell_list")
 
 
 class NeighborList(torch.nn.Module):

@@ -97,7 +97,7 @@ class Calculator(_AseCalculator):
         self._cell: tp.Optional[Tensor] = None
         self._pbc: tp.Optional[Tensor] = None
         self._volume = 0.0
-        self._eye: tp.Optional[Tensor] = None
+        self._eye = torch.eye(3, dtype=self._dtype, device=self._device)
 
     @property
     def device(self) -> torch.device:
@@ -209,8 +209,6 @@ class Calculator(_AseCalculator):
         if kind == "scaling":
             # E(x F, cell F) with F = I + sym(strain): dE/dstrain at 0 is the virial.
             strain = coords.new_zeros((3, 3), requires_grad=True)
-            if self._eye is None or self._eye.dtype != coords.dtype:
-                self._eye = torch.eye(3, dtype=coords.dtype, device=coords.device)
             deform = self._eye + 0.5 * (strain + strain.T)
             x, c = coords @ deform, cell @ deform
             inputs.append(strain)
@@ -246,12 +244,12 @@ class Calculator(_AseCalculator):
             return model.compute_from_neighbors(elem_idxs, x, nb).energies[0]
 
         with torch.no_grad():
+            eye = torch.eye(3, dtype=coords.dtype, device=coords.device)
             for i in range(3):
                 for j in range(i, 3):
                     d = torch.zeros(3, 3, dtype=coords.dtype, device=coords.device)
                     d[i, j] += 0.5 * eps
                     d[j, i] += 0.5 * eps
-                    eye = torch.eye(3, dtype=coords.dtype, device=coords.device)
                     v = (energy(eye + d) - energy(eye - d)) / (2 * eps)
                     virial[i, j] = virial[j, i] = v
         return virial * ase.units.Hartree

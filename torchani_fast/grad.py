@@ -34,6 +34,7 @@ from torchani.tuples import EnergiesForcesHessians
 
 from . import ops
 from .aev import AEVComputer
+from .nn import _linears, aev_columns
 
 __all__ = ["energies_forces_and_hessians", "hessians_supported"]
 
@@ -72,9 +73,10 @@ def energies_forces_and_hessians(
     reason = hessians_supported(model)
     if reason is not None:
         return _autograd_loop(model, species, coordinates, cell, pbc)
-    x = coordinates.detach().clone().requires_grad_(True)
-    energies = model((species, x), cell=cell, pbc=pbc).energies
-    (grad,) = torch.autograd.grad(energies.sum(), x)
+    x = coordinates.detach().requires_grad_(True)
+    with torch.enable_grad():  # also under an outer torch.no_grad()
+        energies = model((species, x), cell=cell, pbc=pbc).energies
+        (grad,) = torch.autograd.grad(energies.sum(), x)
     with torch.no_grad():
         h = _hessians(model, species, coordinates.detach(), cell, pbc)
     return EnergiesForcesHessians(energies.detach(), -grad, h)
@@ -123,7 +125,7 @@ def _mlp(net: torch.nn.Module) -> tp.Union[_Mlp, str]:
     act = net.activation
     if not isinstance(act, _elementwise_activations()):
         return f"the activation {type(act).__name__} is not a known elementwise one"
-    linears = list(net.layers) + [net.final_layer]
+    linears = _linears(net)
     if not all(type(lin) is torch.nn.Linear for lin in linears):
         return "an atomic network has layers other than torch.nn.Linear"
     if linears[-1].out_features != 1:
@@ -352,28 +354,20 @@ def _scatter(hess: Tensor, blocks: Tensor, centers: Tensor, local_atoms: Tensor,
 
 def _present_columns(aevc: AEVComputer, flat: Tensor) -> Tensor:
     """AEV columns that can be nonzero: radial blocks of the elements present and
-    angular blocks of the pairs of elements present."""
+    angular blocks of the pairs of elements present (one host sync)."""
     num_species = aevc.num_species
-    present = torch.zeros(num_species, dtype=torch.bool, device=flat.device)
-    present[flat[flat >= 0]] = True
-    r = int(aevc.radial.num_feats)
-    w = int(aevc.angular.num_feats)
-    radial = present.repeat_interleave(r)
-    pair_ok = []
-    for s1 in range(num_species):
-        for s2 in range(s1, num_species):
-            pair_ok.append(bool(present[s1]) and bool(present[s2]))
-    # torchani's triu_index order: row-major upper triangle, as in the AEV layout.
-    angular = torch.tensor(pair_ok, device=flat.device).repeat_interleave(w)
-    return torch.cat([radial, angular]).nonzero().view(-1)
+    present = torch.bincount(flat + 1, minlength=num_species + 1)[1:].gt(0).tolist()
+    cols = aev_columns(present, int(aevc.radial.num_feats), int(aevc.angular.num_feats),
+                       aevc.triu_index.tolist())
+    return torch.tensor(cols, dtype=torch.long, device=flat.device)
 
 
 def _autograd_loop(model, species, coordinates, cell, pbc) -> EnergiesForcesHessians:
     """torchani.grad's 3N double-backward passes, with cell and pbc."""
     from torchani.grad import energies_and_forces, hessians
 
-    x = coordinates.detach().clone().requires_grad_(True)
-    e, f = energies_and_forces(model, species, x, cell, pbc, retain_graph=True, create_graph=True)
-    x.requires_grad_(True)
-    h = hessians(f, x)
+    x = coordinates.detach().requires_grad_(True)
+    with torch.enable_grad():
+        e, f = energies_and_forces(model, species, x, cell, pbc, retain_graph=True, create_graph=True)
+        h = hessians(f, x)
     return EnergiesForcesHessians(e.detach(), f.detach(), h)

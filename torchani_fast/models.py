@@ -208,9 +208,9 @@ def energies_forces_hessians(model: torch.nn.Module, species: Tensor, coords: Te
         (M, 3A, 3A) = d²E/dx² in Ha/Å², with rows and columns ordered
         atom-major (x0, y0, z0, x1, ...), all detached.
 
-    Patched eager models (CPU or CUDA) get the Hessian in one pass
-    (:func:`torchani_fast.grad.energies_forces_and_hessians`); others (scripted,
-    unpatched) get one autograd pass per Cartesian component.
+    Computed by :func:`torchani_fast.grad.energies_forces_and_hessians`:
+    patched eager models (CPU or CUDA) get the Hessian in one pass; others
+    (scripted, unpatched) one autograd pass per Cartesian component.
 
     Raises
     ------
@@ -218,26 +218,12 @@ def energies_forces_hessians(model: torch.nn.Module, species: Tensor, coords: Te
         If the model's featurizer has no second derivatives (the message of the
         underlying error is kept).
     """
-    from .grad import energies_forces_and_hessians as one_pass, hessians_supported
+    from .grad import energies_forces_and_hessians
 
     x, cell, pbc = _prepare(model, coords, cell, pbc)
-    if hessians_supported(model) is None:
-        e, f, h = one_pass(model, species.to(x.device), x.detach(), cell, pbc)
-        return EnergiesForcesHessians(e, f, h)
-    m, a = x.shape[0], x.shape[1]
-    with torch.enable_grad():
-        energies = model((species.to(x.device), x), cell=cell, pbc=pbc).energies
-        (grad,) = torch.autograd.grad(energies.sum(), x, create_graph=True)
-        flat = grad.reshape(m, 3 * a)
-        hessians = x.new_zeros(m, 3 * a, 3 * a)
-        try:
-            # Molecules are independent, so one backward per Cartesian component
-            # gives that row of every molecule's Hessian at once.
-            for i in range(3 * a):
-                (row,) = torch.autograd.grad(flat[:, i].sum(), x, retain_graph=i < 3 * a - 1)
-                hessians[:, i] = row.reshape(m, 3 * a)
-        except RuntimeError as exc:
-            if "second derivative" in str(exc) or "double backward" in str(exc):
-                raise NotImplementedError(f"Hessians are not supported yet: {exc}") from exc
-            raise
-    return EnergiesForcesHessians(energies.detach(), -grad.detach(), hessians)
+    try:
+        return energies_forces_and_hessians(model, species.to(x.device), x.detach(), cell, pbc)
+    except RuntimeError as exc:
+        if "second derivative" in str(exc) or "double backward" in str(exc):
+            raise NotImplementedError(f"Hessians are not supported yet: {exc}") from exc
+        raise

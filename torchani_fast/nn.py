@@ -259,7 +259,6 @@ class _FusedBase(AtomicContainer):
         outs: tp.List[Tensor] = []
         for g in range(len(group_size)):
             e = group_elem[g]
-            n = group_size[g]
             if training:
                 first = self._pack_first(ws, act, e, group_mask[g])
             else:
@@ -517,29 +516,9 @@ class _FusedBase(AtomicContainer):
 
     def _columns(self, present: tp.List[bool]) -> tp.List[int]:
         """AEV columns that can be nonzero when only the ``present`` elements occur."""
-        cols: tp.List[int] = []
-        r = self.radial_sublen
-        if r == 0:
-            for c in range(self.in_dim):
-                cols.append(c)
-            return cols
-        s_num = self.num_species
-        for s in range(s_num):
-            if present[s]:
-                for c in range(s * r, (s + 1) * r):
-                    cols.append(c)
-        pairs: tp.List[int] = []
-        for s1 in range(s_num):
-            for s2 in range(s1, s_num):
-                if present[s1] and present[s2]:
-                    pairs.append(self.triu[s1][s2])
-        pairs.sort()
-        w = self.angular_sublen
-        base = s_num * r
-        for p in pairs:
-            for c in range(base + p * w, base + (p + 1) * w):
-                cols.append(c)
-        return cols
+        if self.radial_sublen == 0:
+            return [c for c in range(self.in_dim)]
+        return aev_columns(present, self.radial_sublen, self.angular_sublen, self.triu)
 
     def _cache(self) -> tp.Dict[int, tp.List[Tensor]]:
         if torch.jit.is_scripting():
@@ -631,7 +610,6 @@ class FusedEnsemble(_FusedBase):
         self.is_ensemble = True
         self.register_buffer("atomic_numbers", ensemble.atomic_numbers.clone(), persistent=False)
         self._init_layout(aev_computer)
-        self._eager_build_hidden()
 
     @classmethod
     def from_torchani(cls, networks: torch.nn.Module, aev_computer: tp.Optional[torch.nn.Module] = None):
@@ -661,12 +639,6 @@ class FusedEnsemble(_FusedBase):
                 state_dict[prefix + "members." + key[len(prefix):]] = state_dict.pop(key)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    @torch.jit.unused
-    def _eager_build_hidden(self) -> None:
-        act = self._evaluated_members()
-        if act:
-            self._eager_cache[-1 - _bitmask(act)] = self._eager_build(act, -1, 0)
-
 
 class FusedNetworks(_FusedBase):
     """Drop-in for a single ``torchani.nn.ANINetworks`` (``model_index=i``, ``model[i]``).
@@ -682,7 +654,6 @@ class FusedNetworks(_FusedBase):
         self.is_ensemble = False
         self.register_buffer("atomic_numbers", networks.atomic_numbers.clone(), persistent=False)
         self._init_layout(aev_computer)
-        self._eager_cache[-1 - _bitmask([0])] = self._eager_build([0], -1, 0)
 
     def __getitem__(self, idx: str) -> torch.nn.Module:
         return self.atomics[idx]
@@ -818,6 +789,29 @@ class _Recompute(torch.autograd.Function):
                 i += 1
         ctx.jacobians = []
         return grad, None, None, None
+
+
+def aev_columns(present: tp.List[bool], r: int, w: int, triu: tp.List[tp.List[int]]) -> tp.List[int]:
+    """AEV columns that can be nonzero when only the ``present`` elements occur:
+    the radial blocks (width ``r``) of those elements and the angular blocks
+    (width ``w``, index ``triu[s1][s2]``) of their pairs, in increasing order."""
+    s_num = len(present)
+    cols: tp.List[int] = []
+    for s in range(s_num):
+        if present[s]:
+            for c in range(s * r, (s + 1) * r):
+                cols.append(c)
+    pairs: tp.List[int] = []
+    for s1 in range(s_num):
+        for s2 in range(s1, s_num):
+            if present[s1] and present[s2]:
+                pairs.append(triu[s1][s2])
+    pairs.sort()
+    base = s_num * r
+    for p in pairs:
+        for c in range(base + p * w, base + (p + 1) * w):
+            cols.append(c)
+    return cols
 
 
 # -- construction helpers ---------------------------------------------------------------

@@ -96,7 +96,6 @@ class EnergyForcesStep:
                                         self.neighborlist)
         self.networks = nets
         self.groups = nets.fixed_groups(elem)
-        self.species = species
         self.elem = elem
         self.cell = cell
         self.pbc = pbc
@@ -159,7 +158,7 @@ class EnergyForcesStep:
             self._graph.replay()
             energies, forces = self._static_out[0].clone(), self._static_out[1].clone()
         else:
-            energies, forces = self._eager(coords.detach().clone().requires_grad_(True))
+            energies, forces = self._eager(coords.detach().requires_grad_(True))
         self.calls += 1
         if self.check_every and self.calls % self.check_every == 0:
             self.check()

@@ -16,11 +16,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _use_cuda() -> bool:
-    flag = os.environ.get("TORCHANI_FAST_CUDA")
-    if flag is not None:
-        return flag.strip().lower() in ("1", "true", "yes", "on")
     import torch
 
+    flag = os.environ.get("TORCHANI_FAST_CUDA")
+    if flag is not None and flag.strip().lower() in ("1", "true", "yes", "on"):
+        if torch.version.cuda is None:
+            raise RuntimeError(f"TORCHANI_FAST_CUDA={flag} but torch {torch.__version__} has no CUDA: "
+                               "install a CUDA build of torch, or build the CPU extension")
+        return True
+    if flag is not None:
+        return False
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 

@@ -92,7 +92,6 @@ def _reset_peak():
 
 
 def _build_model(impl, dtype):
-    import torch
     import torchani
 
     nl = "cell_list" if impl == "torchani-cell_list" else "all_pairs"
@@ -275,10 +274,6 @@ def spawn(argv, timeout, memory_gb):
         return dict(error=f"exit {proc.returncode}: {tail[:200]}",
                     wall_s=time.perf_counter() - t0)
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _fmt(x, spec):
-    return "-" if x is None else format(x, spec)
 
 
 def main(argv=None):

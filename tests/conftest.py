@@ -46,10 +46,9 @@ _MODELS = {}
 
 def reference_model(name="ANI2x", dtype=torch.float64):
     """A fresh TorchANI model (loaded once per process, then deep-copied)."""
-    key = name
-    if key not in _MODELS:
-        _MODELS[key] = getattr(torchani.models, name)()
-    return copy.deepcopy(_MODELS[key]).to(dtype)
+    if name not in _MODELS:
+        _MODELS[name] = getattr(torchani.models, name)()
+    return copy.deepcopy(_MODELS[name]).to(dtype)
 
 
 def model_pair(name="ANI2x", dtype=torch.float64):

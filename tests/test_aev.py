@@ -1,23 +1,15 @@
 """The AEV op and AEVComputer against TorchANI's own featurizer (same process)."""
-import copy
 
 import pytest
 import torch
 
-import torchani_fast
 from torchani_fast import ops
 
-from conftest import atoms_to_tensors, read_molecule, reference_model
+from conftest import atoms_to_tensors, model_pair, read_molecule, reference_model
 
 NONPERIODIC = ["2iuz_ligand.xyz", "3lka_ligand.xyz", "3hkw_ligand.xyz", "3o99_ligand.xyz",
                "1hvj_ligand.xyz", "small.xyz", "1hz5.xyz"]
 PERIODIC = ["benzene.xyz", "tight_cell.xyz", "water-0.8nm.xyz"]
-
-
-def aev_pair(name="ANI2x", dtype=torch.float64):
-    ref = reference_model(name, dtype)
-    fast = torchani_fast.patch(copy.deepcopy(ref))
-    return ref, fast
 
 
 def tol(dtype):
@@ -27,7 +19,7 @@ def tol(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", NONPERIODIC + PERIODIC)
 def test_aev_matches_torchani(name, dtype):
-    ref, fast = aev_pair("ANI2x", dtype)
+    ref, fast = model_pair("ANI2x", dtype)
     species, coords, cell, pbc = atoms_to_tensors(read_molecule(name), dtype)
     elem = ref.species_converter(species)
     expected = ref.potentials["nnp"].aev_computer(elem, coords, cell, pbc)
@@ -37,7 +29,7 @@ def test_aev_matches_torchani(name, dtype):
 
 
 def test_aev_ani1x_and_padded_batch():
-    ref, fast = aev_pair("ANI1x", torch.float64)
+    ref, fast = model_pair("ANI1x", torch.float64)
     mols = [read_molecule(n) for n in ("2iuz_ligand.xyz", "1hvj_ligand.xyz")]
     # ANI-1x knows H C N O only: both ligands qualify.
     n = max(len(m) for m in mols)
@@ -63,7 +55,7 @@ def chloromethane(dtype=torch.float64):
 
 
 def test_aev_with_chlorine():
-    ref, fast = aev_pair("ANI2x", torch.float64)
+    ref, fast = model_pair("ANI2x", torch.float64)
     species, coords = chloromethane()
     elem = ref.species_converter(species)
     expected = ref.potentials["nnp"].aev_computer(elem, coords)
@@ -95,7 +87,7 @@ def test_gradcheck_aev_op():
 
 
 def test_gradcheck_through_coords_and_cell():
-    ref, fast = aev_pair("ANI2x", torch.float64)
+    ref, fast = model_pair("ANI2x", torch.float64)
     aevc = fast.potentials["nnp"].aev_computer
     species, coords = small_system(seed=1)
     coords.requires_grad_(True)
@@ -127,14 +119,14 @@ def test_opcheck_every_op():
 
 
 def test_int32_species_accepted():
-    ref, fast = aev_pair("ANI2x", torch.float64)
+    ref, fast = model_pair("ANI2x", torch.float64)
     species, coords = small_system()
     aevc = fast.potentials["nnp"].aev_computer
     torch.testing.assert_close(aevc(species.int(), coords), aevc(species, coords), rtol=0, atol=0)
 
 
 def test_float32_computed_in_float32():
-    ref, fast = aev_pair("ANI2x", torch.float32)
+    ref, fast = model_pair("ANI2x", torch.float32)
     species, coords = small_system(torch.float32)
     out = fast.potentials["nnp"].aev_computer(species, coords)
     assert out.dtype == torch.float32

@@ -84,15 +84,13 @@ def test_energy_multiframe_file_is_batched_and_matches_torchani(pair, tmp_path, 
     assert data["energies"][1] == pytest.approx(_expected(ref, frames[3])[0], rel=0, abs=1e-9)
 
 
-def test_hessians_or_clean_not_supported(tmp_path, capsys):
+def test_hessians(tmp_path, capsys):
     code = run("energy", MOLECULES / "3lka_ligand.xyz", "--hessians", "-t", "f64", "-d", "cpu")
     captured = capsys.readouterr()
-    if code == 0:
-        data = json.loads(captured.out)
-        n = 3 * len(read_molecule("3lka_ligand.xyz"))
-        assert np.array(data["hessians"]).shape == (1, n, n) and "forces" in data
-    else:
-        assert code == 1 and "not supported yet" in captured.err and "Traceback" not in captured.err
+    assert code == 0, captured.err
+    data = json.loads(captured.out)
+    n = 3 * len(read_molecule("3lka_ligand.xyz"))
+    assert np.array(data["hessians"]).shape == (1, n, n) and "forces" in data
 
 
 def test_bad_inputs_name_file_frame_and_element(tmp_path, capsys):

@@ -9,11 +9,11 @@ here needs the pretrained files: the same tests run on a bare GPU machine.
 import pytest
 import torch
 
-import torchani
 import torchani_fast
 from torchani_fast import ops
 from torchani_fast.aev import AEVComputer, NeighborList
 from torchani_fast.testing import random_ani2x, random_molecule, water_box
+from conftest import energy_forces
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
@@ -334,13 +334,6 @@ def test_coords_and_cell_gradcheck_cuda():
 # Whole models: CUDA against TorchANI
 
 
-def _energy_forces(model, species, coords, cell=None, pbc=None):
-    x = coords.detach().clone().requires_grad_(True)
-    e = model((species, x), cell=cell, pbc=pbc).energies
-    (g,) = torch.autograd.grad(e.sum(), x)
-    return e.detach(), -g
-
-
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["molecule46", "padded_batch", "water192", "water_triclinic"])
@@ -358,9 +351,9 @@ def test_energy_forces_cuda_vs_torchani(kind, dtype):
             cell = cell.clone()
             cell[1, 0] = 0.25 * cell[0, 0]
     # Reference: TorchANI's own pure-PyTorch path in float64 on the CPU.
-    e_ref, f_ref = _energy_forces(ref, z, x, cell, pbc)
+    e_ref, f_ref = energy_forces(ref, z, x, cell, pbc)
     fast = torchani_fast.patch(random_model()).to("cuda", dtype)
-    e, f = _energy_forces(fast, z.cuda(), x.to("cuda", dtype),
+    e, f = energy_forces(fast, z.cuda(), x.to("cuda", dtype),
                           None if cell is None else cell.to("cuda", dtype),
                           None if pbc is None else pbc.cuda())
     if dtype == torch.float64:
@@ -372,7 +365,7 @@ def test_energy_forces_cuda_vs_torchani(kind, dtype):
         torch.testing.assert_close(f.cpu().double(), f_ref, rtol=1e-4, atol=1e-4 * fs)
     # And the same model on the CPU agrees with the CUDA one.
     if dtype == torch.float64:
-        e_cpu, f_cpu = _energy_forces(torchani_fast.patch(random_model()), z, x, cell, pbc)
+        e_cpu, f_cpu = energy_forces(torchani_fast.patch(random_model()), z, x, cell, pbc)
         torch.testing.assert_close(e.cpu(), e_cpu, rtol=0, atol=1e-10)
         torch.testing.assert_close(f.cpu(), f_cpu, rtol=0, atol=1e-9)
 
@@ -591,7 +584,7 @@ def test_non_default_stream():
     fast = torchani_fast.patch(random_model()).to("cuda", torch.float32)
     z, x, cell, pbc = water_box(64, seed=11)
     args = (z.cuda(), x.to("cuda", torch.float32), cell.to("cuda", torch.float32), pbc.cuda())
-    e_ref, f_ref = _energy_forces(fast, *args)
+    e_ref, f_ref = energy_forces(fast, *args)
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -600,7 +593,7 @@ def test_non_default_stream():
         big = torch.randn(4096, 4096, device="cuda")
         for _ in range(4):
             big = big @ big / 64
-        e, f = _energy_forces(fast, *args)
+        e, f = energy_forces(fast, *args)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     torch.testing.assert_close(e, e_ref, rtol=0, atol=0)

@@ -79,7 +79,7 @@ def test_neighbor_errors(emu):
 
 def _aev_case(species, coords, cell, pbc, dtype, pad_slots=0):
     model = random_model()
-    species, coords = species, coords.to(dtype)
+    coords = coords.to(dtype)
     cell = None if cell is None else cell.to(dtype)
     pairs, images = ops.neighbor_pairs(species, coords, cell, pbc, CUTOFF, True)
     if pad_slots:

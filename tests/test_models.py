@@ -99,15 +99,11 @@ def test_energies_forces_batch_periodic(pair):
     torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-9)
 
 
-def test_hessians_match_torchani_or_raise_not_implemented(pair):
+def test_hessians_match_torchani(pair):
     ref, fast = pair[0][0], pair[1][0]  # one network: 15 double-backward passes each
     methane = read_molecule("CH4-5.xyz", index=0)
     species, coords, _, _ = atoms_to_tensors(methane)
-    try:
-        e, f, h = fm.energies_forces_hessians(fast, species, coords)
-    except NotImplementedError as exc:
-        assert "not supported yet" in str(exc)
-        return
+    e, f, h = fm.energies_forces_hessians(fast, species, coords)
     expected = torchani.single_point(ref, species, coords.clone(), hessians=True)
     torch.testing.assert_close(e, expected["energies"], rtol=0, atol=1e-9)
     torch.testing.assert_close(f, expected["forces"], rtol=0, atol=1e-9)
@@ -154,3 +150,13 @@ def test_patched_model_scripts_and_scripted_calculator_works(pair):
     species, coords, cell, pbc = atoms_to_tensors(atoms)
     torch.testing.assert_close(scripted((species, coords), cell, pbc).energies,
                                ref((species, coords), cell, pbc).energies, rtol=0, atol=1e-9)
+
+
+def test_hessians_under_no_grad(pair):
+    # An outer torch.no_grad() (e.g. an inference loop) must not break Hessians.
+    fast = pair[1][0]
+    species, coords, _, _ = atoms_to_tensors(read_molecule("CH4-5.xyz", index=0))
+    e, f, h = fm.energies_forces_hessians(fast, species, coords)
+    with torch.no_grad():
+        e2, f2, h2 = fm.energies_forces_hessians(fast, species, coords)
+    assert torch.equal(e, e2) and torch.equal(f, f2) and torch.equal(h, h2)

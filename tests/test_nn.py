@@ -11,7 +11,7 @@ import torchani
 
 import torchani_fast
 from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, unsupported_reason
-from conftest import model_pair, read_molecule
+from conftest import energy_forces, model_pair, read_molecule
 
 F32_EPS = torch.finfo(torch.float32).eps
 
@@ -65,13 +65,6 @@ def assert_forces(actual, expected, dtype):
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-9 if dtype == torch.float64 else 5e-5)
 
 
-def energies_and_forces(model, species, coords, **kwargs):
-    x = coords.clone().requires_grad_(True)
-    e = model((species, x), **kwargs).energies
-    (g,) = torch.autograd.grad(e.sum(), x)
-    return e.detach(), -g
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("name", ["ANI2x", "ANI1x"])
 def test_matches_torchani(name, dtype):
@@ -80,8 +73,8 @@ def test_matches_torchani(name, dtype):
     assert isinstance(nn, FusedEnsemble) and nn.radial_sublen > 0  # zero blocks are skipped
     species, coords = padded_batch(BATCHES[name], dtype)
 
-    e_ref, f_ref = energies_and_forces(ref, species, coords)
-    e, f = energies_and_forces(fast, species, coords)
+    e_ref, f_ref = energy_forces(ref, species, coords)
+    e, f = energy_forces(fast, species, coords)
     assert_energies(e, e_ref, dtype)
     assert_forces(f, f_ref, dtype)
 
@@ -109,8 +102,8 @@ def test_active_member_subsets():
         ref.set_active_members(subset)
         fast.set_active_members(subset)
         assert len(fast) == len(ref) == len(subset)
-        e_ref, f_ref = energies_and_forces(ref, species, coords)
-        e, f = energies_and_forces(fast, species, coords)
+        e_ref, f_ref = energy_forces(ref, species, coords)
+        e, f = energy_forces(fast, species, coords)
         assert_energies(e, e_ref, torch.float64)
         assert_forces(f, f_ref, torch.float64)
         for atomic in (False, True):
@@ -130,9 +123,9 @@ def test_single_networks_model_getitem_and_model_index():
     # Patching a model that already holds a single ANINetworks fuses it too.
     repatched = torchani_fast.patch(copy.deepcopy(ref[5]))
     assert isinstance(repatched.potentials["nnp"].neural_networks, FusedNetworks)
-    e_ref, f_ref = energies_and_forces(single_ref, species, coords)
+    e_ref, f_ref = energy_forces(single_ref, species, coords)
     for model in (single_fast, repatched):
-        e, f = energies_and_forces(model, species, coords)
+        e, f = energy_forces(model, species, coords)
         assert_energies(e, e_ref, torch.float64)
         assert_forces(f, f_ref, torch.float64)
         v_ref = single_ref((species, coords), ensemble_values=True).energies
@@ -148,8 +141,8 @@ def test_single_networks_model_getitem_and_model_index():
     fast0 = torchani_fast.patch(copy.deepcopy(ref0))
     assert isinstance(fast0.potentials["nnp"].neural_networks, FusedNetworks)
     assert fast0.state_dict().keys() == ref0.state_dict().keys()
-    e_ref, f_ref = energies_and_forces(ref0, species, coords)
-    e, f = energies_and_forces(fast0, species, coords)
+    e_ref, f_ref = energy_forces(ref0, species, coords)
+    e, f = energy_forces(fast0, species, coords)
     assert_energies(e, e_ref, torch.float64)
     assert_forces(f, f_ref, torch.float64)
 
@@ -164,16 +157,16 @@ def test_state_dict_dtype_and_cache_refresh():
     # .double() after patching: the float32 packs must not be used.
     fast.double()
     ref64 = copy.deepcopy(ref).double()
-    assert_energies(energies_and_forces(fast, species, coords)[0],
-                    energies_and_forces(ref64, species, coords)[0], torch.float64)
+    assert_energies(energy_forces(fast, species, coords)[0],
+                    energy_forces(ref64, species, coords)[0], torch.float64)
 
     # load_state_dict after patching (strict, stock keys): new weights are used.
     perturbed = {k: (v * 1.01 if "neural_networks" in k and v.is_floating_point() else v)
                  for k, v in ref64.state_dict().items()}
     fast.load_state_dict(perturbed)
     ref64.load_state_dict(perturbed)
-    e_ref, f_ref = energies_and_forces(ref64, species, coords)
-    e, f = energies_and_forces(fast, species, coords)
+    e_ref, f_ref = energy_forces(ref64, species, coords)
+    e, f = energy_forces(fast, species, coords)
     assert_energies(e, e_ref, torch.float64)
     assert_forces(f, f_ref, torch.float64)
 
@@ -292,11 +285,11 @@ def test_recomputing_path_matches_torchani(dtype, device, recompute_calls):
     ref, fast = model_pair("ANI2x", dtype)
     ref, fast = ref.to(device), fast.to(device)
     species, coords = (t.to(device) for t in padded_batch(BATCHES["ANI2x"], dtype))
-    e_ref, f_ref = energies_and_forces(ref, species, coords)
-    energies_and_forces(fast, species, coords)
+    e_ref, f_ref = energy_forces(ref, species, coords)
+    energy_forces(fast, species, coords)
     assert not recompute_calls  # small input: the default keeps the activations
     _no_activation_budget(fast)
-    e, f = energies_and_forces(fast, species, coords)
+    e, f = energy_forces(fast, species, coords)
     assert recompute_calls
     assert_energies(e, e_ref, dtype)
     assert_forces(f, f_ref, dtype)
@@ -317,8 +310,8 @@ def test_recomputing_path_matches_torchani(dtype, device, recompute_calls):
     torchani_fast.nn.RECOMPUTE_CHUNK_ATOMS, chunk = 100, torchani_fast.nn.RECOMPUTE_CHUNK_ATOMS
     try:
         species, coords = (t.to(device) for t in padded_batch(["1hz5.xyz"], dtype, empty_row=False))
-        e_ref, f_ref = energies_and_forces(ref, species, coords)
-        e, f = energies_and_forces(fast, species, coords)
+        e_ref, f_ref = energy_forces(ref, species, coords)
+        e, f = energy_forces(fast, species, coords)
     finally:
         torchani_fast.nn.RECOMPUTE_CHUNK_ATOMS = chunk
     assert_energies(e, e_ref, dtype)
@@ -359,8 +352,8 @@ def test_torchscript_save_load(tmp_path):
     torch.jit.save(scripted, str(path))
     loaded = torch.jit.load(str(path))
     for model in (scripted, loaded):
-        e_ref, f_ref = energies_and_forces(ref, species, coords)
-        e, f = energies_and_forces(model, species, coords)
+        e_ref, f_ref = energy_forces(ref, species, coords)
+        e, f = energy_forces(model, species, coords)
         assert_energies(e, e_ref, torch.float32)
         assert_forces(f, f_ref, torch.float32)
         assert_energies(model.atomic_energies((species, coords)).energies,
@@ -394,14 +387,14 @@ def test_torchscript_weight_gradients():
 def test_inference_mode_first_then_forces():
     ref, fast = model_pair("ANI2x", torch.float32)
     species, coords = padded_batch(BATCHES["small"], torch.float32)
-    e_ref, f_ref = energies_and_forces(ref, species, coords)
+    e_ref, f_ref = energy_forces(ref, species, coords)
     for model in (fast, torch.jit.script(copy.deepcopy(fast))):
         for _ in range(3):  # warm TorchScript's profiling executor with force calls
-            energies_and_forces(model, species, coords)
+            energy_forces(model, species, coords)
         model.potentials.nnp.neural_networks.clear_cache()
         with torch.inference_mode():  # packs made here are inference tensors...
             model((species, coords))
-        e, f = energies_and_forces(model, species, coords)  # ...and are rebuilt for autograd
+        e, f = energy_forces(model, species, coords)  # ...and are rebuilt for autograd
         assert_forces(f, f_ref, torch.float32)
 
 
@@ -431,15 +424,15 @@ def test_rare_element_split():
     aev = fast.potentials["nnp"].aev_computer(elem, coords)
     _, _, group_elem, group_mask, _ = nn._groups(elem.flatten(), aev.flatten(0, 1))
     assert len(group_elem) > len(set(group_elem)) and len(set(group_mask)) > 1
-    e_ref, f_ref = energies_and_forces(ref, species, coords)
-    e, f = energies_and_forces(fast, species, coords)
+    e_ref, f_ref = energy_forces(ref, species, coords)
+    e, f = energy_forces(fast, species, coords)
     assert_energies(e, e_ref, torch.float64)
     assert_forces(f, f_ref, torch.float64)
     a_ref = ref((species, coords), atomic=True, ensemble_values=True).energies
     assert_energies(fast((species, coords), atomic=True, ensemble_values=True).energies, a_ref, torch.float64)
     scripted = torch.jit.script(fast)
     assert scripted.potentials.nnp.neural_networks.split_min_atoms == 32
-    e, f = energies_and_forces(scripted, species, coords)
+    e, f = energy_forces(scripted, species, coords)
     assert_energies(e, e_ref, torch.float64)
     assert_forces(f, f_ref, torch.float64)
 

@@ -1,9 +1,7 @@
 """EnergyForcesStep: a fixed system evaluated without host syncs, against TorchANI."""
 import pytest
 import torch
-import torchani
 
-import torchani_fast
 from torchani_fast.step import EnergyForcesStep
 from conftest import atoms_to_tensors, energy_forces, model_pair, read_molecule
 

@@ -5,7 +5,6 @@ rewritten to `::emu::launch(&k, grid, block, smem, stream, ...)` and their
 dynamic shared memory to a pointer, then compiled as host C++ against
 emu_runtime.h (in place of kernels/cuda_common.cuh). See emu_runtime.h.
 """
-import os
 import re
 import tempfile
 from pathlib import Path

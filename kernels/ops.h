@@ -199,6 +199,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
     const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
     const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p);
 
+// Fused ensemble networks (ensemble_cpu.cpp, CPU only; FusedEnsemble in
+// torchani_fast/nn.py). For element groups of atoms (rows `atoms` of `aev`, in
+// consecutive runs of `sizes`), group g reading the AEV columns `columns[g]`:
+// layer-1 weights first[g] (K_g, members * d1) and, in `packs`, 2 * layers[g] - 1
+// tensors: the layer-1 bias (members * d1,), then W_l (members, d_in, d_out) and
+// b_l (members, 1, d_out) of the later layers (CELU(0.1) between layers, one
+// output). `panels` is empty or, float32, per group and hidden layer l, W_l as
+// (members, d_out/16, d_in, 16) and W_l^T as (members, d_in/16, d_out, 16)
+// (small_gemm.h; used on AVX2 CPUs, ignored elsewhere). Returns values (members, atoms.numel()) and, if input_grad, the
+// flat concatenation over groups of J_g = d(sum over members)/d(used columns),
+// (sizes[g], K_g) each; otherwise an empty tensor. Not differentiable itself.
+std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
+    const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
+    at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
+    at::IntArrayRef layers, int64_t members, bool input_grad);
+
 // Argument checks shared by every backend (names the argument and the value).
 void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tensor& pairs,
                       const at::Tensor& diff_vectors, const AEVParams& p);

@@ -25,6 +25,10 @@ constexpr const char* kAevDoubleBackward =
 constexpr const char* kAevLocalDerivatives =
     "aev_local_derivatives(Tensor grad_aev, Tensor columns, " TORCHANI_FAST_AEV_ARGS
     ") -> (Tensor local_atoms, Tensor jacobian, Tensor curvature)";
+constexpr const char* kEnsembleMlp =
+    "ensemble_mlp(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
+    "Tensor[] packs, Tensor[] panels, int[] layers, int members, bool input_grad) -> (Tensor values, "
+    "Tensor jacobian)";
 
 }  // namespace torchani_fast::schema
 

@@ -279,15 +279,22 @@ def _no_activation_budget(model):
     nets.recompute_min_bytes_gpu = 0
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cxx", "python"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-def test_recomputing_path_matches_torchani(dtype, device, recompute_calls):
-    # Large inputs keep no activations for backward; forced here with a zero budget.
+def test_recomputing_path_matches_torchani(dtype, device, recompute_calls, native):
+    # On the CPU the C++ op (ensemble_mlp) evaluates every eager call and keeps no
+    # activations; otherwise large inputs do so, forced here with a zero budget.
+    if native and device != "cpu":
+        pytest.skip("the C++ networks op is CPU-only")
     ref, fast = model_pair("ANI2x", dtype)
     ref, fast = ref.to(device), fast.to(device)
+    fast.potentials["nnp"].neural_networks.native_cpu = native
     species, coords = (t.to(device) for t in padded_batch(BATCHES["ANI2x"], dtype))
     e_ref, f_ref = energy_forces(ref, species, coords)
-    energy_forces(fast, species, coords)
-    assert not recompute_calls  # small input: the default keeps the activations
+    e, f = energy_forces(fast, species, coords)
+    assert bool(recompute_calls) == native  # else a small input keeps the activations
+    assert_energies(e, e_ref, dtype)
+    assert_forces(f, f_ref, dtype)
     _no_activation_budget(fast)
     e, f = energy_forces(fast, species, coords)
     assert recompute_calls

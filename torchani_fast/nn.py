@@ -85,6 +85,7 @@ class _FusedBase(AtomicContainer):
     recompute_min_bytes: int
     recompute_min_bytes_gpu: int
     small_group_atoms: int
+    native_cpu: bool  # eager CPU calls use the C++ op ensemble_mlp (see the module doc)
     num_layers: tp.List[int]  # per element: number of Linear layers (hidden + final)
     hidden_widths: tp.List[int]  # per element: sum of the hidden layers' widths
     offsets: tp.List[int]  # per element: first index of its packs in the hidden entry
@@ -126,6 +127,7 @@ class _FusedBase(AtomicContainer):
         self.recompute_min_bytes = RECOMPUTE_MIN_BYTES
         self.recompute_min_bytes_gpu = RECOMPUTE_MIN_BYTES_GPU
         self.small_group_atoms = SMALL_GROUP_ATOMS
+        self.native_cpu = True
         self.hidden_widths = [sum(int(lin.out_features) for lin in _linears(a)[:-1]) for a in atomics]
         w = _linears(atomics[0])[0].weight
         # Follows the parameters through .to()/.double(): the cache is checked against it.
@@ -272,7 +274,11 @@ class _FusedBase(AtomicContainer):
 
     def _recompute(self, aev: Tensor, group_elem: tp.List[int], group_size: tp.List[int], k: int) -> bool:
         """Whether to keep only the AEV for backward (eager, large inputs, see the module doc)."""
-        if torch.jit.is_scripting() or not (aev.requires_grad and torch.is_grad_enabled()):
+        if torch.jit.is_scripting():
+            return False
+        if aev.device.type == "cpu" and self.native_cpu:
+            return True  # the fused C++ op, with or without gradient
+        if not (aev.requires_grad and torch.is_grad_enabled()):
             return False
         saved = 0
         for g in range(len(group_size)):
@@ -286,13 +292,57 @@ class _FusedBase(AtomicContainer):
         group_elem: tp.List[int], group_mask: tp.List[int], group_size: tp.List[int],
     ) -> Tensor:
         plan = []
+        columns, first, packs, layers, panels = [], [], [], [], []
+        native = aev.device.type == "cpu" and self.native_cpu
+        use_panels = native and aev.dtype == torch.float32
         for g, atoms_g in enumerate(atoms.split(group_size)):
             e = group_elem[g]
-            cols, w1 = self._cached_first(act, e, group_mask[g])
-            cols = None if cols.shape[0] == aev.shape[1] else cols
+            cached = self._cached_first(act, e, group_mask[g])
+            cols, w1 = cached[0], cached[1]
             o = self.offsets[e]
-            plan.append((atoms_g, cols, w1, hidden[o:o + 2 * self.num_layers[e] - 1]))
-        return _Recompute.apply(aev, plan, len(act), self.small_group_atoms)
+            hidden_e = hidden[o:o + 2 * self.num_layers[e] - 1]
+            plan.append((atoms_g, None if cols.shape[0] == aev.shape[1] else cols, w1, hidden_e))
+            columns.append(cols)
+            first.append(w1)
+            packs.extend(hidden_e)
+            layers.append(self.num_layers[e])
+            if use_panels:
+                group_panels = self._panels(act, e, cached, hidden_e)
+                use_panels = group_panels is not None
+                if use_panels:
+                    panels.extend(group_panels)
+        if not native:
+            return _Recompute.apply(aev, plan, len(act), self.small_group_atoms, None)
+        args = (atoms, group_size, columns, first, packs, panels if use_panels else [], layers)
+        if aev.requires_grad and torch.is_grad_enabled():
+            return _Recompute.apply(aev, plan, len(act), self.small_group_atoms, args)
+        return torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), *args, len(act), False)[0]
+
+    @torch.jit.unused
+    def _panels(self, act: tp.List[int], elem: int, first: tp.List[Tensor], hidden_e: tp.List[Tensor]):
+        """float32 panel copies of one group's hidden-layer weights for ensemble_mlp, cached.
+
+        Per hidden layer, W as (k, d_out/16, d_in, 16) and W^T as (k, d_in/16,
+        d_out, 16): 16-column panels, each contiguous (kernels/small_gemm.h).
+        Layer 1's are kept in its cache entry (``first``), the later layers'
+        under a key of their own. None if a width is not a multiple of 16.
+        """
+        k = len(act)
+        w1 = first[1]
+        widths = [w1.shape[0], w1.shape[1] // k] + [w.shape[2] for w in hidden_e[1:-2:2]]
+        if any(w % 16 for w in widths):
+            return None
+        if len(first) == 2:
+            first.extend(_panel_pair(w1.view(w1.shape[0], k, -1).transpose(0, 1)))
+        cache = self._cache()
+        key = -(1 << 40) * (elem + 1) - _bitmask(act)
+        later = cache.get(key)
+        if later is None:
+            later = []
+            for w in hidden_e[1:-2:2]:  # W_2 .. W_{L-1}: (k, d_in, d_out)
+                later.extend(_panel_pair(w))
+            cache[key] = later
+        return first[2:4] + later
 
     @torch.jit.unused
     def fixed_groups(self, elem_idxs: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
@@ -680,6 +730,15 @@ def _first_layer(x: Tensor, w1: Tensor, b1: Tensor, k: int, small: int) -> Tenso
     return torch.addmm(b1, x, w1).view(n, k, -1).transpose(0, 1)  # a view
 
 
+def _panel_pair(w: Tensor) -> tp.List[Tensor]:
+    """W (k, d_in, d_out) as 16-column panels: [(k, d_out/16, d_in, 16), W^T's (k, d_in/16, d_out, 16)]."""
+    k, d_in, d_out = w.shape
+    with torch.inference_mode(False), torch.no_grad():
+        fwd = w.reshape(k, d_in, d_out // 16, 16).permute(0, 2, 1, 3).contiguous()
+        bwd = w.reshape(k, d_in // 16, 16, d_out).permute(0, 1, 3, 2).contiguous()
+    return [fwd, bwd]
+
+
 def _gather(aev: Tensor, atoms: Tensor, cols: tp.Optional[Tensor]) -> Tensor:
     x = aev.index_select(0, atoms)
     return x if cols is None else x.index_select(1, cols)
@@ -745,20 +804,24 @@ class _Recompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, aev: Tensor, plan, k: int, small: int) -> Tensor:
+    def forward(ctx, aev: Tensor, plan, k: int, small: int, native) -> Tensor:
         ctx.plan = plan
         ctx.k = k
         ctx.small = small
         ctx.save_for_backward(aev)
-        speculate = aev.device.type == "cpu"
         ctx.jacobians = []
+        if native is not None:  # CPU: the C++ op, values and J in one pass
+            values, jac = torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), *native, k, True)
+            sizes, columns = native[1], native[2]
+            ctx.jacobians = [
+                j.view(n, c.shape[0])
+                for j, n, c in zip(jac.split([n * c.shape[0] for n, c in zip(sizes, columns)]), sizes, columns)
+            ]
+            return values
         outs = []
         for atoms, cols, w1, packs in plan:
             for chunk in atoms.split(RECOMPUTE_CHUNK_ATOMS):
-                out, pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, k, small)
-                outs.append(out)
-                if speculate:
-                    ctx.jacobians.append(_mlp_input_grad(out.new_ones(out.shape), w1, packs, pre, k, small))
+                outs.append(_mlp_values(_gather(aev, chunk, cols), w1, packs, k, small)[0])
         return torch.cat(outs, 1)
 
     @staticmethod
@@ -773,22 +836,21 @@ class _Recompute(torch.autograd.Function):
         )
         grad = aev.new_zeros(aev.shape)
         start = 0
-        i = 0
-        for atoms, cols, w1, packs in ctx.plan:
-            for chunk in atoms.split(RECOMPUTE_CHUNK_ATOMS):
+        for g, (atoms, cols, w1, packs) in enumerate(ctx.plan):
+            chunks = [atoms] if shared else atoms.split(RECOMPUTE_CHUNK_ATOMS)
+            for chunk in chunks:
                 n = chunk.shape[0]
-                g = grad_out.narrow(1, start, n)
+                go = grad_out.narrow(1, start, n)
                 if shared:
-                    gx = ctx.jacobians[i] * g[0].unsqueeze(1)
+                    gx = ctx.jacobians[g] * go[0].unsqueeze(1)
                 else:
                     pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, ctx.k, ctx.small)[1]
-                    gx = _mlp_input_grad(g, w1, packs, pre, ctx.k, ctx.small)
+                    gx = _mlp_input_grad(go, w1, packs, pre, ctx.k, ctx.small)
                 index = (chunk,) if cols is None else (chunk.unsqueeze(1), cols.unsqueeze(0))
                 grad = grad.index_put(index, gx) if differentiable else grad.index_put_(index, gx)
                 start += n
-                i += 1
         ctx.jacobians = []
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def aev_columns(present: tp.List[bool], r: int, w: int, triu: tp.List[tp.List[int]]) -> tp.List[int]:

@@ -1,0 +1,410 @@
+// Fused ensemble networks on the CPU (torchani_fast/nn.py, FusedEnsemble).
+//
+// ensemble_mlp evaluates, for every element group of atoms and every member of
+// the ensemble, the element network (Linear -> CELU(0.1) -> ... -> Linear(1))
+// and, in the same pass, the input gradient of the members' sum,
+//   J = d(sum_members out) / d(used AEV columns)   (n_group, K_group),
+// which is all the backward of an ensemble-mean energy (forces) needs. One task
+// is (group, block of kBlockRows atoms, slice of the members); a task gathers
+// its rows of the AEV once, then runs each member's forward and backward back
+// to back. float32 on AVX2 CPUs uses the weights' panel copies (small_gemm.h):
+// per hidden layer W (forward) and W^T (backward), member-major; otherwise BLAS. Small inputs split the members across threads (few blocks), large ones
+// the blocks (no partial J to add up). The products are small_gemm.h's, one
+// thread inside a task.
+//
+// CELU(alpha) = x for x > 0, alpha expm1(x / alpha) otherwise; its derivative
+// is kept from the forward pass. float32 uses its own expm1 (AVX2 when the CPU
+// has it), accurate to about 1 ulp; float64 uses std::expm1/std::exp and
+// reproduces PyTorch's backward, which scales by 1/float32(alpha) (see nn.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "small_gemm.h"
+
+namespace torchani_fast {
+namespace {
+
+constexpr int64_t kBlockRows = 64;
+constexpr double kAlpha = 0.1;
+
+// ---------------------------------------------------------------------------
+// CELU(0.1) in place, with its derivative.
+// ---------------------------------------------------------------------------
+
+// exp(u) and expm1(u) for u in [-87, 0]: u = n ln2 + r, |r| <= ln2/2, expm1(r) by
+// its Taylor series to r^7 (relative error < 1e-8), then 2^n (1 + q) (- 1).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693145751953125f;  // 16 low bits zero: n * kLn2Hi is exact
+constexpr float kLn2Lo = 1.42860676533018672e-6f;
+constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds to an integer
+constexpr float kC2 = 1.0f / 2, kC3 = 1.0f / 6, kC4 = 1.0f / 24, kC5 = 1.0f / 120,
+                kC6 = 1.0f / 720, kC7 = 1.0f / 5040;
+
+inline void celu_scalar(float* z, float* d, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float x = z[i];
+    if (x > 0.0f) {
+      d[i] = 1.0f;
+      continue;
+    }
+    const float u = std::max(x * 10.0f, -87.0f);
+    const float nf = (u * kLog2e + kRound) - kRound;
+    const float r = (u - nf * kLn2Hi) - nf * kLn2Lo;
+    const float q = r + r * r * (kC2 + r * (kC3 + r * (kC4 + r * (kC5 + r * (kC6 + r * kC7)))));
+    const int32_t bits = (static_cast<int32_t>(nf) + 127) << 23;
+    float s;
+    std::memcpy(&s, &bits, sizeof(s));
+    d[i] = s + s * q;
+    z[i] = static_cast<float>(kAlpha) * ((s - 1.0f) + s * q);
+  }
+}
+
+#ifdef TF_X86_DISPATCH
+__attribute__((target("avx2,fma"))) void celu_avx2(float* z, float* d, int64_t count) {
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  const __m256 ten = _mm256_set1_ps(10.0f), lo = _mm256_set1_ps(-87.0f);
+  const __m256 alpha = _mm256_set1_ps(static_cast<float>(kAlpha));
+  const __m256 log2e = _mm256_set1_ps(kLog2e), round = _mm256_set1_ps(kRound);
+  const __m256 hi2 = _mm256_set1_ps(kLn2Hi), lo2 = _mm256_set1_ps(kLn2Lo);
+  const __m256 c2 = _mm256_set1_ps(kC2), c3 = _mm256_set1_ps(kC3), c4 = _mm256_set1_ps(kC4);
+  const __m256 c5 = _mm256_set1_ps(kC5), c6 = _mm256_set1_ps(kC6), c7 = _mm256_set1_ps(kC7);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 x = _mm256_loadu_ps(z + i);
+    const __m256 u = _mm256_max_ps(_mm256_mul_ps(x, ten), lo);
+    const __m256 nf = _mm256_sub_ps(_mm256_fmadd_ps(u, log2e, round), round);
+    const __m256 r = _mm256_fnmadd_ps(nf, lo2, _mm256_fnmadd_ps(nf, hi2, u));
+    __m256 p = _mm256_fmadd_ps(r, c7, c6);
+    p = _mm256_fmadd_ps(r, p, c5);
+    p = _mm256_fmadd_ps(r, p, c4);
+    p = _mm256_fmadd_ps(r, p, c3);
+    p = _mm256_fmadd_ps(r, p, c2);
+    const __m256 q = _mm256_fmadd_ps(_mm256_mul_ps(r, r), p, r);
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
+    const __m256 s = _mm256_castsi256_ps(bits);
+    const __m256 e = _mm256_fmadd_ps(s, q, s);
+    const __m256 em1 = _mm256_fmadd_ps(s, q, _mm256_sub_ps(s, one));
+    const __m256 pos = _mm256_cmp_ps(x, zero, _CMP_GT_OQ);
+    _mm256_storeu_ps(d + i, _mm256_blendv_ps(e, one, pos));
+    _mm256_storeu_ps(z + i, _mm256_blendv_ps(_mm256_mul_ps(alpha, em1), x, pos));
+  }
+  celu_scalar(z + i, d + i, count - i);
+}
+
+#endif
+
+void celu_inplace(float* z, float* d, int64_t count) {
+#ifdef TF_X86_DISPATCH
+  if (small_gemm::have_avx2()) {
+    celu_avx2(z, d, count);
+    return;
+  }
+#endif
+  celu_scalar(z, d, count);
+}
+
+void celu_inplace(double* z, double* d, int64_t count) {
+  // PyTorch's CELU backward: alpha * c * exp(c x), c = 1 / float32(alpha).
+  const double c = 1.0 / static_cast<double>(static_cast<float>(kAlpha));
+  for (int64_t i = 0; i < count; ++i) {
+    const double x = z[i];
+    if (x > 0.0) {
+      d[i] = 1.0;
+    } else {
+      d[i] = c * kAlpha * std::exp(x * c);
+      z[i] = kAlpha * std::expm1(x * (1.0 / kAlpha));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The networks of one group, all members.
+// ---------------------------------------------------------------------------
+
+template <typename T>
+struct GroupNet {
+  int64_t rows_begin;   // first row of the group in the plan (atoms, values)
+  int64_t rows;         // atoms in the group
+  int64_t jac_offset;   // first element of its J in the flat output
+  const int64_t* cols;  // used AEV columns (K)
+  std::vector<int64_t> dims;     // K, d1, ..., d_L (= 1)
+  std::vector<const T*> weight;  // per layer: member 0's weights (d_in, d_out), row-major
+  std::vector<int64_t> ld;       // per layer: row stride of the weights
+  std::vector<int64_t> stride;   // per layer: offset from one member's weights to the next
+  std::vector<const T*> bias;    // per layer: member 0's bias
+  // float32 panels (or empty): per hidden layer, member 0's W (forward) and W^T
+  // (backward) as 16-column panels (small_gemm.h); member stride d_in * d_out.
+  std::vector<const T*> panel_fwd, panel_bwd;
+  int64_t layers() const { return static_cast<int64_t>(weight.size()); }
+  int64_t in_dim() const { return dims[0]; }
+};
+
+struct Task {
+  int64_t group, row0, rows, slice;
+};
+
+// Layer l of member m: out (rows, d_out) = h W_l + b_l.
+template <typename T>
+void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, const T* h, T* out) {
+  const int64_t din = net.dims[l], dout = net.dims[l + 1];
+  const T* bias = net.bias[l] + m * dout;
+  if constexpr (std::is_same_v<T, float>) {
+    if (l < static_cast<int64_t>(net.panel_fwd.size())) {
+      small_gemm::panel_gemm(rows, dout, din, h, din, net.panel_fwd[l] + m * din * dout, bias,
+                             false, nullptr, 0, out, dout);
+      return;
+    }
+  }
+  small_gemm::gemm_bias<T>(rows, dout, din, h, din, net.weight[l] + m * net.stride[l], net.ld[l],
+                           bias, out, dout);
+}
+
+// Back through layer l of member m: out (rows, d_in) = (g W_l^T) * deriv, or,
+// without deriv, out = g W_l^T (accumulate: out += g W_l^T).
+template <typename T>
+void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, const T* g,
+                    const T* deriv, bool accumulate, T* out) {
+  const int64_t din = net.dims[l], dout = net.dims[l + 1];
+  if constexpr (std::is_same_v<T, float>) {
+    if (l < static_cast<int64_t>(net.panel_bwd.size())) {
+      small_gemm::panel_gemm(rows, din, dout, g, dout, net.panel_bwd[l] + m * din * dout, nullptr,
+                             accumulate, deriv, din, out, din);
+      return;
+    }
+  }
+  // W_l is (d_in, d_out): its rows are the columns of W_l^T.
+  small_gemm::gemm_nt<T>(rows, din, dout, g, dout, net.weight[l] + m * net.stride[l], net.ld[l],
+                         out, din, deriv, din, accumulate);
+}
+
+template <typename T>
+void run_task(const GroupNet<T>& net, const Task& task, int64_t member_begin, int64_t member_end,
+              const T* aev, int64_t features, const int64_t* atoms, int64_t plan_rows,
+              T* values, T* jac, bool input_grad, std::vector<T>& scratch) {
+  const int64_t rows = task.rows, in_dim = net.in_dim(), layers = net.layers();
+  const int64_t last = layers - 1;
+  int64_t widest = 0, hidden = 0;
+  for (int64_t l = 1; l <= layers; ++l) {
+    widest = std::max(widest, net.dims[l]);
+    hidden += net.dims[l];
+  }
+  scratch.resize(static_cast<size_t>(rows * (in_dim + 2 * hidden + 2 * widest)));
+  T* x = scratch.data();
+  T* act = x + rows * in_dim;    // per layer: pre-activation, then activation (rows, d_l)
+  T* der = act + rows * hidden;  // per hidden layer: CELU derivative (rows, d_l)
+  T* g = der + rows * hidden;    // two gradient buffers (rows, widest)
+  T* spare = g + rows * widest;
+  std::vector<T*> a(layers), d(layers);
+  for (int64_t l = 0, off = 0; l < layers; off += rows * net.dims[l + 1], ++l) {
+    a[l] = act + off;
+    d[l] = der + off;
+  }
+  // Gather the task's rows once for all its members.
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = aev + atoms[net.rows_begin + task.row0 + r] * features;
+    T* dst = x + r * in_dim;
+    for (int64_t c = 0; c < in_dim; ++c) dst[c] = src[net.cols[c]];
+  }
+  T* jac_rows = input_grad ? jac + net.jac_offset + task.row0 * in_dim : nullptr;
+  for (int64_t m = member_begin; m < member_end; ++m) {
+    const T* h = x;
+    for (int64_t l = 0; l < layers; ++l) {
+      layer_forward(net, l, m, rows, h, a[l]);
+      if (l < last) celu_inplace(a[l], d[l], rows * net.dims[l + 1]);
+      h = a[l];
+    }
+    T* out = values + m * plan_rows + net.rows_begin + task.row0;
+    for (int64_t r = 0; r < rows; ++r) out[r] = h[r];
+    if (!input_grad) continue;
+    const bool accumulate = m != member_begin;  // J of this slice of members
+    const T* w_last = net.weight[last] + m * net.stride[last];  // (d_last, 1)
+    if (last == 0) {  // a single linear layer: J = W^T
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < in_dim; ++c) {
+          T& j = jac_rows[r * in_dim + c];
+          j = (accumulate ? j : T(0)) + w_last[c * net.ld[0]];
+        }
+      continue;
+    }
+    // d out / d (input of the last layer), then back through the hidden layers.
+    int64_t width = net.dims[last];
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* dr = d[last - 1] + r * width;
+      for (int64_t c = 0; c < width; ++c) g[r * width + c] = w_last[c * net.ld[last]] * dr[c];
+    }
+    T* gl = g;
+    T* gs = spare;
+    for (int64_t l = last - 1; l >= 1; --l) {
+      layer_backward(net, l, m, rows, gl, d[l - 1], false, gs);
+      std::swap(gl, gs);
+    }
+    layer_backward(net, 0, m, rows, gl, static_cast<const T*>(nullptr), accumulate, jac_rows);
+  }
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
+    const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
+    at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
+    at::IntArrayRef layers, int64_t members, bool input_grad) {
+  const int64_t groups = static_cast<int64_t>(sizes.size());
+  const int64_t features = aev.size(1);
+  // Panels are used when given, for float32, on CPUs that run panel_gemm.
+  const bool use_panels = !panels.empty() && std::is_same_v<T, float> &&
+                          small_gemm::panels_supported();
+  int64_t panel = 0;
+  if (use_panels) {
+    int64_t expected = 0;
+    for (int64_t nl : layers) expected += 2 * (nl - 1);
+    TORCH_CHECK(static_cast<int64_t>(panels.size()) == expected, "ensemble_mlp: panels holds ",
+                panels.size(), " tensors, expected 2 per hidden layer (", expected, ")");
+  }
+  std::vector<GroupNet<T>> nets(groups);
+  int64_t rows_begin = 0, jac_size = 0, pack = 0, blocks = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    GroupNet<T>& net = nets[g];
+    const at::Tensor& cols = columns[g];
+    const at::Tensor& w1 = first[g];
+    const int64_t nl = layers[g];
+    TORCH_CHECK(sizes[g] >= 0, "ensemble_mlp: sizes[", g, "] = ", sizes[g], " is negative");
+    TORCH_CHECK(cols.dim() == 1 && cols.scalar_type() == at::kLong && cols.is_contiguous(),
+                "ensemble_mlp: columns[", g, "] must be a contiguous 1-D int64 tensor");
+    TORCH_CHECK(nl >= 1, "ensemble_mlp: layers[", g, "] = ", nl, " must be >= 1");
+    const int64_t k_cols = cols.size(0);
+    TORCH_CHECK(cols.numel() == 0 ||
+                    (cols.min().item<int64_t>() >= 0 && cols.max().item<int64_t>() < features),
+                "ensemble_mlp: columns[", g, "] must be in [0, ", features, ")");
+    TORCH_CHECK(w1.dim() == 2 && w1.size(0) == k_cols && w1.size(1) % members == 0 &&
+                    w1.scalar_type() == aev.scalar_type() && w1.is_contiguous(),
+                "ensemble_mlp: first[", g, "] must be a contiguous (", k_cols,
+                ", members * width) tensor of the AEV's dtype, got ", w1.sizes());
+    TORCH_CHECK(pack + 2 * nl - 1 <= static_cast<int64_t>(packs.size()),
+                "ensemble_mlp: packs holds too few tensors for layers ", layers);
+    net.rows_begin = rows_begin;
+    net.rows = sizes[g];
+    net.jac_offset = jac_size;
+    net.cols = cols.data_ptr<int64_t>();
+    const int64_t d1 = w1.size(1) / members;
+    net.dims = {k_cols, d1};
+    net.weight = {w1.data_ptr<T>()};
+    net.ld = {members * d1};
+    net.stride = {d1};
+    const at::Tensor& b1 = packs[pack];
+    TORCH_CHECK(b1.numel() == members * d1 && b1.is_contiguous() &&
+                    b1.scalar_type() == aev.scalar_type(),
+                "ensemble_mlp: packs[", pack, "] must be the (members * ", d1, ",) layer-1 bias");
+    net.bias = {b1.data_ptr<T>()};
+    for (int64_t l = 1; l < nl; ++l) {
+      const at::Tensor& w = packs[pack + 2 * l - 1];
+      const at::Tensor& b = packs[pack + 2 * l];
+      const int64_t din = net.dims.back();
+      TORCH_CHECK(w.dim() == 3 && w.size(0) == members && w.size(1) == din && w.is_contiguous() &&
+                      w.scalar_type() == aev.scalar_type(),
+                  "ensemble_mlp: packs[", pack + 2 * l - 1, "] must be contiguous (", members,
+                  ", ", din, ", width), got ", w.sizes());
+      const int64_t dout = w.size(2);
+      TORCH_CHECK(b.numel() == members * dout && b.is_contiguous() &&
+                      b.scalar_type() == aev.scalar_type(),
+                  "ensemble_mlp: packs[", pack + 2 * l, "] must hold ", members * dout, " biases");
+      net.dims.push_back(dout);
+      net.weight.push_back(w.data_ptr<T>());
+      net.ld.push_back(dout);
+      net.stride.push_back(din * dout);
+      net.bias.push_back(b.data_ptr<T>());
+    }
+    TORCH_CHECK(net.dims.back() == 1, "ensemble_mlp: the last layer of group ", g,
+                " has ", net.dims.back(), " outputs, expected 1");
+    if (use_panels) {
+      for (int64_t l = 0; l + 1 < nl; ++l) {
+        const int64_t din = net.dims[l], dout = net.dims[l + 1];
+        const at::Tensor& fwd = panels[panel];
+        const at::Tensor& bwd = panels[panel + 1];
+        TORCH_CHECK(din % 16 == 0 && dout % 16 == 0 && fwd.is_contiguous() &&
+                        fwd.sizes() == at::IntArrayRef({members, dout / 16, din, 16}) &&
+                        bwd.is_contiguous() &&
+                        bwd.sizes() == at::IntArrayRef({members, din / 16, dout, 16}) &&
+                        fwd.scalar_type() == at::kFloat && bwd.scalar_type() == at::kFloat,
+                    "ensemble_mlp: panels[", panel, "], panels[", panel + 1, "] must be float32 (",
+                    members, ", ", dout / 16, ", ", din, ", 16) and (", members, ", ", din / 16,
+                    ", ", dout, ", 16), got ", fwd.sizes(), " and ", bwd.sizes());
+        net.panel_fwd.push_back(fwd.data_ptr<T>());
+        net.panel_bwd.push_back(bwd.data_ptr<T>());
+        panel += 2;
+      }
+    }
+    pack += 2 * nl - 1;
+    rows_begin += sizes[g];
+    jac_size += sizes[g] * k_cols;
+    blocks += (sizes[g] + kBlockRows - 1) / kBlockRows;
+  }
+  TORCH_CHECK(rows_begin == atoms.numel(), "ensemble_mlp: sizes add up to ", rows_begin,
+              " but atoms has ", atoms.numel(), " entries");
+  if (atoms.numel() > 0) {
+    TORCH_CHECK(atoms.min().item<int64_t>() >= 0 && atoms.max().item<int64_t>() < aev.size(0),
+                "ensemble_mlp: atoms must index the ", aev.size(0), " rows of aev");
+  }
+  const int64_t plan_rows = rows_begin;
+  at::Tensor values = at::empty({members, plan_rows}, aev.options());
+  // Few blocks: split the members over the threads too (p-major task order, so
+  // each thread gets a slice of the members for every group); each slice writes
+  // its own partial J. Many blocks: one slice, threads split the blocks.
+  const int64_t threads = at::get_num_threads();
+  const int64_t slices = (blocks < 4 * threads) ? std::max<int64_t>(1, std::min(threads, members)) : 1;
+  at::Tensor jac = at::empty({input_grad ? slices * jac_size : 0}, aev.options());
+  std::vector<Task> tasks;
+  for (int64_t p = 0; p < slices; ++p)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t r = 0; r < sizes[g]; r += kBlockRows)
+        tasks.push_back({g, r, std::min(kBlockRows, sizes[g] - r), p});
+  const T* aev_ptr = aev.data_ptr<T>();
+  const int64_t* atom_ptr = atoms.data_ptr<int64_t>();
+  T* value_ptr = values.data_ptr<T>();
+  T* jac_ptr = input_grad ? jac.data_ptr<T>() : nullptr;
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<T> scratch;
+    for (int64_t t = begin; t < end; ++t) {
+      const Task& task = tasks[t];
+      const int64_t m0 = members * task.slice / slices, m1 = members * (task.slice + 1) / slices;
+      run_task<T>(nets[task.group], task, m0, m1, aev_ptr, features, atom_ptr, plan_rows,
+                  value_ptr, input_grad ? jac_ptr + task.slice * jac_size : nullptr, input_grad,
+                  scratch);
+    }
+  });
+  if (input_grad && slices > 1) jac = jac.view({slices, jac_size}).sum(0);
+  return {values, jac};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
+    const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
+    at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
+    at::IntArrayRef layers, int64_t members, bool input_grad) {
+  TORCH_CHECK(aev.dim() == 2 && aev.is_contiguous(),
+              "ensemble_mlp: aev must be a contiguous (atoms, features) tensor, got ", aev.sizes());
+  TORCH_CHECK(aev.scalar_type() == at::kFloat || aev.scalar_type() == at::kDouble,
+              "ensemble_mlp: aev must be float32 or float64, got ", aev.scalar_type());
+  TORCH_CHECK(atoms.dim() == 1 && atoms.scalar_type() == at::kLong && atoms.is_contiguous(),
+              "ensemble_mlp: atoms must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(members >= 1, "ensemble_mlp: members = ", members, " must be >= 1");
+  TORCH_CHECK(columns.size() == sizes.size() && first.size() == sizes.size() &&
+                  layers.size() == sizes.size(),
+              "ensemble_mlp: sizes, columns, first and layers need one entry per group, got ",
+              sizes.size(), ", ", columns.size(), ", ", first.size(), ", ", layers.size());
+  if (aev.scalar_type() == at::kFloat) {
+    return ensemble_mlp_impl<float>(aev, atoms, sizes, columns, first, packs, panels, layers, members,
+                                    input_grad);
+  }
+  return ensemble_mlp_impl<double>(aev, atoms, sizes, columns, first, packs, panels, layers, members,
+                                   input_grad);
+}
+
+}  // namespace torchani_fast

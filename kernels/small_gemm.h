@@ -1,0 +1,196 @@
+// Matrix products of the fused networks (ensemble_cpu.cpp): few rows (at most
+// one block of atoms) times one member's weights, row-major throughout.
+//
+//   panel_gemm(A, W)      = A W (+ bias, or + C; then * D)   float32, AVX2 + FMA
+//   gemm_bias(A, B, bias) = A B + bias                        any dtype, BLAS
+//   gemm_nt(A, B, D)      = (A B^T) * D, or C (+)= A B^T      any dtype, BLAS
+//
+// panel_gemm reads W as column panels of 16, each (k, 16) and contiguous (the
+// "panels" nn.py packs once): a panel streams from memory once and stays in L1
+// while every row of A is multiplied by it. For 4-64 rows this is about 2x a
+// general BLAS call, which packs the weight matrix again on every call and
+// reads it with a stride. The BLAS is the one torch links (sgemm_/dgemm_), or
+// ATen's mm if torch exports none.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define TF_X86_DISPATCH 1
+#endif
+
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
+            const float*, const int*, const float*, const int*, const float*, float*,
+            const int*) __attribute__((weak));
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*,
+            const double*, const int*, const double*, const int*, const double*, double*,
+            const int*) __attribute__((weak));
+}
+
+namespace torchani_fast::small_gemm {
+
+#ifdef TF_X86_DISPATCH
+inline bool have_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+#endif
+
+// C (m x n) = op(A) op(B) + beta C, row-major (ta/tb: A/B stored transposed).
+template <typename T>
+void blas(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  // Column-major BLAS sees every row-major matrix transposed: C^T = op(B)^T op(A)^T.
+  const char tra = ta ? 'T' : 'N', trb = tb ? 'T' : 'N';
+  const int im = static_cast<int>(n), in = static_cast<int>(m), ik = static_cast<int>(k);
+  const int ilda = static_cast<int>(ldb), ildb = static_cast<int>(lda), ildc = static_cast<int>(ldc);
+  const T one = 1;
+  if constexpr (std::is_same_v<T, float>) {
+    if (sgemm_ != nullptr) {
+      sgemm_(&trb, &tra, &im, &in, &ik, &one, b, &ilda, a, &ildb, &beta, c, &ildc);
+      return;
+    }
+  } else {
+    if (dgemm_ != nullptr) {
+      dgemm_(&trb, &tra, &im, &in, &ik, &one, b, &ilda, a, &ildb, &beta, c, &ildc);
+      return;
+    }
+  }
+  const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  auto view = [&](const T* p, int64_t rows, int64_t cols, int64_t ld, bool t) {
+    auto x = at::from_blob(const_cast<T*>(p), {t ? cols : rows, t ? rows : cols}, {ld, 1}, opts);
+    return t ? x.t() : x;
+  };
+  at::Tensor out = at::from_blob(c, {m, n}, {ldc, 1}, opts);
+  at::Tensor prod = at::mm(view(a, m, k, lda, ta), view(b, k, n, ldb, tb));
+  if (beta == T(0)) {
+    out.copy_(prod);
+  } else {
+    out.add_(prod);
+  }
+}
+
+#ifdef TF_X86_DISPATCH
+// Rows 0..R of C[:, 0:16] = epilogue(A W), W one (k, 16) panel, contiguous.
+// Accumulators start at `bias` (16 values) if given, else at C (accumulate) or 0;
+// the result is multiplied by D (ldd) if given.
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void panel_rows(
+    const float* a, int64_t lda, const float* w, int64_t k, const float* bias, bool accumulate,
+    const float* d, int64_t ldd, float* c, int64_t ldc) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    if (bias != nullptr) {
+      acc[r][0] = _mm256_loadu_ps(bias);
+      acc[r][1] = _mm256_loadu_ps(bias + 8);
+    } else if (accumulate) {
+      acc[r][0] = _mm256_loadu_ps(c + r * ldc);
+      acc[r][1] = _mm256_loadu_ps(c + r * ldc + 8);
+    } else {
+      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    const __m256 w0 = _mm256_loadu_ps(w + 16 * p), w1 = _mm256_loadu_ps(w + 16 * p + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + p);
+      acc[r][0] = _mm256_fmadd_ps(x, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (d != nullptr) {
+      acc[r][0] = _mm256_mul_ps(acc[r][0], _mm256_loadu_ps(d + r * ldd));
+      acc[r][1] = _mm256_mul_ps(acc[r][1], _mm256_loadu_ps(d + r * ldd + 8));
+    }
+    _mm256_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
+  }
+}
+
+// C (m x n) = epilogue(A (m x k) W), W (k x n) stored as n/16 panels of (k, 16),
+// each contiguous: a panel streams from memory once and stays in L1 over the rows.
+__attribute__((target("avx2,fma"))) inline void panel_gemm_avx2(
+    int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
+    const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const float* wj = w + j * k;
+    const float* bj = bias ? bias + j : nullptr;
+    int64_t r = 0;
+    for (; r + 6 <= m; r += 6) {
+      panel_rows<6>(a + r * lda, lda, wj, k, bj, accumulate, d ? d + r * ldd + j : nullptr, ldd,
+                    c + r * ldc + j, ldc);
+    }
+    const float* ar = a + r * lda;
+    const float* dr = d ? d + r * ldd + j : nullptr;
+    float* cr = c + r * ldc + j;
+    switch (m - r) {
+      case 5: panel_rows<5>(ar, lda, wj, k, bj, accumulate, dr, ldd, cr, ldc); break;
+      case 4: panel_rows<4>(ar, lda, wj, k, bj, accumulate, dr, ldd, cr, ldc); break;
+      case 3: panel_rows<3>(ar, lda, wj, k, bj, accumulate, dr, ldd, cr, ldc); break;
+      case 2: panel_rows<2>(ar, lda, wj, k, bj, accumulate, dr, ldd, cr, ldc); break;
+      case 1: panel_rows<1>(ar, lda, wj, k, bj, accumulate, dr, ldd, cr, ldc); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+// Whether panel_gemm can run here (float32, x86-64 with AVX2 and FMA).
+inline bool panels_supported() {
+#ifdef TF_X86_DISPATCH
+  return have_avx2();
+#else
+  return false;
+#endif
+}
+
+// C (m x n) = epilogue(A W) as in panel_rows; n % 16 == 0; needs panels_supported().
+inline void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                       const float* w, const float* bias, bool accumulate, const float* d,
+                       int64_t ldd, float* c, int64_t ldc) {
+#ifdef TF_X86_DISPATCH
+  panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc);
+#else
+  TORCH_CHECK(false, "panel_gemm needs an x86-64 CPU with AVX2");
+#endif
+}
+
+// C (m x n) = (A (m x k) B^T) * D elementwise (D: m x n, row stride ldd) when d
+// is given, else C = A B^T (accumulate = false) or C += A B^T (accumulate = true).
+// B is (n x k), row stride ldb.
+template <typename T>
+void gemm_nt(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
+             T* c, int64_t ldc, const T* d, int64_t ldd, bool accumulate) {
+  blas<T>(false, true, m, n, k, a, lda, b, ldb, accumulate ? T(1) : T(0), c, ldc);
+  if (d != nullptr) {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t q = 0; q < n; ++q) c[r * ldc + q] *= d[r * ldd + q];
+  }
+}
+
+// C (m x n) = A (m x k) B (k x n) + bias (n,) broadcast over the rows.
+template <typename T>
+void gemm_bias(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
+               const T* bias, T* c, int64_t ldc) {
+  if (n == 1) {  // one output (the last layer): dot products
+    for (int64_t r = 0; r < m; ++r) {
+      T s = 0;
+      for (int64_t p = 0; p < k; ++p) s += a[r * lda + p] * b[p * ldb];
+      c[r * ldc] = s + bias[0];
+    }
+    return;
+  }
+  for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * ldc, bias, n * sizeof(T));
+  blas<T>(false, false, m, n, k, a, lda, b, ldb, T(1), c, ldc);
+}
+
+}  // namespace torchani_fast::small_gemm

@@ -8,9 +8,11 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "aev_cpu_common.h"
+#include "simd_math.h"
 
 namespace torchani_fast {
 
@@ -18,9 +20,217 @@ using namespace aev_cpu_detail;
 
 namespace {
 
+// The gradient of one angular triple on its two half edges, from the sums over
+// its AEV block (g = grad_aev): s_val = sum g f, s_dc = sum g df/dc and
+// s_dm = sum g df/d(mean r) without the cutoffs; fc1, fc2 and dfc1, dfc2 are the
+// two neighbours' angular cutoffs and their derivatives.
+template <typename scalar_t>
+inline void add_triple_grad(const Neighbor<scalar_t>& n1, const Neighbor<scalar_t>& n2,
+                            const aev_math::Triple<scalar_t>& t, scalar_t fc1, scalar_t fc2,
+                            scalar_t dfc1, scalar_t dfc2, scalar_t s_val, scalar_t s_dc,
+                            scalar_t s_dm, scalar_t* grad_edge) {
+  const scalar_t fcc = fc1 * fc2;
+  // d/d(cos_raw) through c = 0.95 cos_raw; d/dr_i through the mean distance
+  // (factor 1/2) and through the cutoff of that neighbour.
+  const scalar_t d_cos = scalar_t(0.95) * fcc * s_dc;
+  const scalar_t d_r1 = scalar_t(0.5) * fcc * s_dm + s_val * dfc1 * fc2;
+  const scalar_t d_r2 = scalar_t(0.5) * fcc * s_dm + s_val * fc1 * dfc2;
+  scalar_t* g1 = grad_edge + 3 * n1.edge;
+  scalar_t* g2 = grad_edge + 3 * n2.edge;
+  if (t.clamped) {
+    const scalar_t inv = scalar_t(1e10);
+    for (int c = 0; c < 3; ++c) {
+      g1[c] += d_cos * n2.v[c] * inv;
+      g2[c] += d_cos * n1.v[c] * inv;
+    }
+  } else {
+    const scalar_t inv = scalar_t(1) / (n1.r * n2.r);
+    for (int c = 0; c < 3; ++c) {
+      g1[c] += d_cos * (n2.v[c] * inv - t.cos_raw * n1.v[c] / (n1.r * n1.r));
+      g2[c] += d_cos * (n1.v[c] * inv - t.cos_raw * n2.v[c] / (n2.r * n2.r));
+    }
+  }
+  if (n1.r > 0)
+    for (int c = 0; c < 3; ++c) g1[c] += d_r1 * n1.v[c] / n1.r;
+  if (n2.r > 0)
+    for (int c = 0; c < 3; ++c) g2[c] += d_r2 * n2.v[c] / n2.r;
+}
+
+#ifdef TF_SIMD_AVX2
+// float32 when R is a multiple of 8, A <= 8 and Z divides 8 with A Z a multiple
+// of 8 (every ANI model: ANI-1x A = 4, Z = 8; ANI-2x A = 8, Z = 4): the per-term
+// loops on 8 lanes with simd::exp / simd::log, the same neighbours, triples and
+// accumulation order per atom as the scalar kernels. An angular block (A x Z,
+// z fastest) is A Z / 8 vectors; lane l of every one of them has z = l % Z, so
+// the section factor f1(z) is one vector for them all, and the radial factor
+// f2(a), computed once on A lanes, is spread to each by a lane permutation.
+bool vector_path(const Consts<float>& k) {
+  return simd::have_avx2() && k.R % 8 == 0 && k.A <= 8 && 8 % k.Z == 0 && (k.A * k.Z) % 8 == 0;
+}
+
+struct AngularLanes {
+  __m256 cos_z, sin_z, zeta;  // lane l: section l % Z
+  __m256 shf, neg_eta;        // lane a < A: shift a and -eta_a (0 beyond A)
+  __m256i spread[8];          // vector v of a block, lane l: a = (8 v + l) / Z
+  int64_t vectors;            // A Z / 8
+  TF_AVX2 explicit AngularLanes(const Consts<float>& k) {
+    alignas(32) float cz[8], sz[8], ze[8], shf_a[8] = {}, eta_a[8] = {};
+    alignas(32) int32_t idx[8];
+    for (int l = 0; l < 8; ++l) {
+      cz[l] = k.cos_z[l % k.Z];
+      sz[l] = k.sin_z[l % k.Z];
+      ze[l] = k.zeta[l % k.Z];
+    }
+    for (int64_t a = 0; a < k.A; ++a) {
+      shf_a[a] = k.shf_a[a];
+      eta_a[a] = -k.eta_a[a];
+    }
+    cos_z = _mm256_load_ps(cz);
+    sin_z = _mm256_load_ps(sz);
+    zeta = _mm256_load_ps(ze);
+    shf = _mm256_load_ps(shf_a);
+    neg_eta = _mm256_load_ps(eta_a);
+    vectors = k.A * k.Z / 8;
+    for (int64_t v = 0; v < vectors; ++v) {
+      for (int l = 0; l < 8; ++l) idx[l] = static_cast<int32_t>((8 * v + l) / k.Z);
+      spread[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+    }
+  }
+};
+
+TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
+                                const float* diff, const HalfEdges& h, const Consts<float>& k,
+                                float* aev) {
+  std::vector<Neighbor<float>> nbrs, ang;
+  std::vector<float> fc_a;
+  const AngularLanes lanes(k);
+  const __m256 cz = lanes.cos_z, sz = lanes.sin_z, zeta = lanes.zeta;
+  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), two = _mm256_set1_ps(2.0f);
+  for (int64_t i = begin; i < end; ++i) {
+    if (species[i] < 0) continue;
+    float* row = aev + i * k.F;
+    gather_neighbors(h, i, species, diff, nbrs);
+    ang.clear();
+    for (const auto& n : nbrs) {
+      const __m256 r = _mm256_set1_ps(n.r);
+      const __m256 scale = _mm256_set1_ps(0.25f * cutoff_cos(n.r, k.rc_r));
+      float* out = row + n.species * k.R;
+      for (int64_t s = 0; s < k.R; s += 8) {
+        const __m256 x = _mm256_sub_ps(r, _mm256_loadu_ps(k.shf_r.data() + s));
+        const __m256 e = simd::exp(_mm256_mul_ps(
+            _mm256_mul_ps(_mm256_xor_ps(_mm256_loadu_ps(k.eta_r.data() + s), _mm256_set1_ps(-0.0f)), x), x));
+        _mm256_storeu_ps(out + s, _mm256_fmadd_ps(e, scale, _mm256_loadu_ps(out + s)));
+      }
+      if (n.r <= k.rc_a) ang.push_back(n);
+    }
+    fc_a.resize(ang.size());
+    for (size_t j = 0; j < ang.size(); ++j) fc_a[j] = cutoff_cos(ang[j].r, k.rc_a);
+    for (size_t j = 0; j < ang.size(); ++j) {
+      for (size_t l = j + 1; l < ang.size(); ++l) {
+        const auto t = make_triple(ang[j], ang[l]);
+        const __m256 cdev = _mm256_fmadd_ps(_mm256_set1_ps(t.c), cz, _mm256_mul_ps(_mm256_set1_ps(t.sin_c), sz));
+        const __m256 base = _mm256_mul_ps(_mm256_add_ps(one, cdev), half);
+        const __m256 f1 = _mm256_mul_ps(two, simd::exp(_mm256_mul_ps(zeta, simd::log(base))));
+        const __m256 x = _mm256_sub_ps(_mm256_set1_ps(t.mean_r), lanes.shf);
+        const __m256 f2 = _mm256_mul_ps(simd::exp(_mm256_mul_ps(_mm256_mul_ps(lanes.neg_eta, x), x)),
+                                        _mm256_set1_ps(fc_a[j] * fc_a[l]));
+        float* out = row + k.radial_len + k.pair_index(ang[j].species, ang[l].species) * k.A * k.Z;
+        for (int64_t v = 0; v < lanes.vectors; ++v) {
+          const __m256 f2v = _mm256_permutevar8x32_ps(f2, lanes.spread[v]);
+          _mm256_storeu_ps(out + 8 * v, _mm256_fmadd_ps(f2v, f1, _mm256_loadu_ps(out + 8 * v)));
+        }
+      }
+    }
+  }
+}
+
+TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
+                                 const float* diff, const HalfEdges& h, const Consts<float>& k,
+                                 const float* grad_aev, float* grad_edge) {
+  std::vector<Neighbor<float>> nbrs, ang;
+  std::vector<float> fc_a, dfc_a;
+  const AngularLanes lanes(k);
+  const __m256 cz = lanes.cos_z, sz = lanes.sin_z, zeta = lanes.zeta;
+  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), two = _mm256_set1_ps(2.0f);
+  const __m256 quarter = _mm256_set1_ps(0.25f), neg_zero = _mm256_set1_ps(-0.0f);
+  for (int64_t i = begin; i < end; ++i) {
+    if (species[i] < 0) continue;
+    const float* grow = grad_aev + i * k.F;
+    gather_neighbors(h, i, species, diff, nbrs);
+    ang.clear();
+    for (const auto& n : nbrs) {
+      if (n.r <= k.rc_a) ang.push_back(n);
+      if (!(n.r > 0)) continue;  // coincident atoms: the direction is undefined
+      const __m256 r = _mm256_set1_ps(n.r);
+      const __m256 fc = _mm256_set1_ps(cutoff_cos(n.r, k.rc_r));
+      const __m256 dfc = _mm256_set1_ps(cutoff_cos_deriv(n.r, k.rc_r));
+      const float* g = grow + n.species * k.R;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t s = 0; s < k.R; s += 8) {
+        const __m256 eta = _mm256_loadu_ps(k.eta_r.data() + s);
+        const __m256 x = _mm256_sub_ps(r, _mm256_loadu_ps(k.shf_r.data() + s));
+        const __m256 e = _mm256_mul_ps(quarter, simd::exp(_mm256_mul_ps(_mm256_mul_ps(_mm256_xor_ps(eta, neg_zero), x), x)));
+        // d/dr of e fc = e (dfc - 2 eta x fc)
+        const __m256 d = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_add_ps(eta, eta), x), fc, dfc);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(g + s), e), d, acc);
+      }
+      const float dr = simd::hsum(acc);
+      float* ge = grad_edge + 3 * n.edge;
+      for (int c = 0; c < 3; ++c) ge[c] += dr * n.v[c] / n.r;
+    }
+    const size_t na = ang.size();
+    fc_a.resize(na);
+    dfc_a.resize(na);
+    for (size_t j = 0; j < na; ++j) {
+      fc_a[j] = cutoff_cos(ang[j].r, k.rc_a);
+      dfc_a[j] = cutoff_cos_deriv(ang[j].r, k.rc_a);
+    }
+    for (size_t j = 0; j < na; ++j) {
+      for (size_t l = j + 1; l < na; ++l) {
+        const auto& n1 = ang[j];
+        const auto& n2 = ang[l];
+        const auto t = make_triple(n1, n2);
+        const __m256 cdev = _mm256_fmadd_ps(_mm256_set1_ps(t.c), cz, _mm256_mul_ps(_mm256_set1_ps(t.sin_c), sz));
+        const __m256 base = _mm256_mul_ps(_mm256_add_ps(one, cdev), half);
+        // p = base^(zeta - 1): f1 = 2 p base, df1/dc = zeta p dcdev/dc
+        const __m256 p = simd::exp(_mm256_mul_ps(_mm256_sub_ps(zeta, one), simd::log(base)));
+        const __m256 f1 = _mm256_mul_ps(_mm256_mul_ps(two, p), base);
+        // d cos(acos(c) - ts)/dc = cos(ts) - c / sqrt(1 - c^2) * sin(ts)
+        const __m256 dcdev = _mm256_fnmadd_ps(_mm256_set1_ps(t.c / t.sin_c), sz, cz);
+        const __m256 df1 = _mm256_mul_ps(_mm256_mul_ps(zeta, p), dcdev);
+        const __m256 x = _mm256_sub_ps(_mm256_set1_ps(t.mean_r), lanes.shf);
+        const __m256 f2 = simd::exp(_mm256_mul_ps(_mm256_mul_ps(lanes.neg_eta, x), x));
+        const __m256 df2 = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(lanes.neg_eta, lanes.neg_eta), x), f2);
+        const float* g = grow + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
+        // g2 = sum over the block of g f2(a), gd2 = sum of g df2(a)/d(mean r), per lane
+        __m256 g2 = _mm256_setzero_ps(), gd2 = _mm256_setzero_ps();
+        for (int64_t v = 0; v < lanes.vectors; ++v) {
+          const __m256 gv = _mm256_loadu_ps(g + 8 * v);
+          g2 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f2, lanes.spread[v]), gv, g2);
+          gd2 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(df2, lanes.spread[v]), gv, gd2);
+        }
+        add_triple_grad(n1, n2, t, fc_a[j], fc_a[l], dfc_a[j], dfc_a[l],
+                        simd::hsum(_mm256_mul_ps(g2, f1)), simd::hsum(_mm256_mul_ps(g2, df1)),
+                        simd::hsum(_mm256_mul_ps(gd2, f1)), grad_edge);
+      }
+    }
+  }
+}
+#endif
+
 template <typename scalar_t>
 void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdges& h,
                     const Consts<scalar_t>& k, int64_t num_atoms, scalar_t* aev) {
+#ifdef TF_SIMD_AVX2
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (vector_path(k)) {
+      at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+        forward_atoms_avx2(begin, end, species, diff, h, k, aev);
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
     std::vector<Neighbor<scalar_t>> nbrs, ang;
     std::vector<scalar_t> f1(k.Z), f2(k.A), fc_a;
@@ -66,6 +276,16 @@ template <typename scalar_t>
 void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdges& h,
                      const Consts<scalar_t>& k, int64_t num_atoms, const scalar_t* grad_aev,
                      scalar_t* grad_edge) {
+#ifdef TF_SIMD_AVX2
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (vector_path(k)) {
+      at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+        backward_atoms_avx2(begin, end, species, diff, h, k, grad_aev, grad_edge);
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
     std::vector<Neighbor<scalar_t>> nbrs, ang;
     std::vector<scalar_t> f1(k.Z), df1(k.Z), f2(k.A), df2(k.A), fc_a, dfc_a;
@@ -127,31 +347,8 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
             s_dm += row_f * df2[a];
             s_dc += row_df * f2[a];
           }
-          const scalar_t fcc = fc_a[j] * fc_a[l];
-          // d/d(cos_raw) through c = 0.95 cos_raw; d/dr_i through the mean distance
-          // (factor 1/2) and through the cutoff of that neighbour.
-          const scalar_t d_cos = scalar_t(0.95) * fcc * s_dc;
-          const scalar_t d_r1 = scalar_t(0.5) * fcc * s_dm + s_val * dfc_a[j] * fc_a[l];
-          const scalar_t d_r2 = scalar_t(0.5) * fcc * s_dm + s_val * fc_a[j] * dfc_a[l];
-          scalar_t* g1 = grad_edge + 3 * n1.edge;
-          scalar_t* g2 = grad_edge + 3 * n2.edge;
-          if (t.clamped) {
-            const scalar_t inv = scalar_t(1e10);
-            for (int c = 0; c < 3; ++c) {
-              g1[c] += d_cos * n2.v[c] * inv;
-              g2[c] += d_cos * n1.v[c] * inv;
-            }
-          } else {
-            const scalar_t inv = scalar_t(1) / (n1.r * n2.r);
-            for (int c = 0; c < 3; ++c) {
-              g1[c] += d_cos * (n2.v[c] * inv - t.cos_raw * n1.v[c] / (n1.r * n1.r));
-              g2[c] += d_cos * (n1.v[c] * inv - t.cos_raw * n2.v[c] / (n2.r * n2.r));
-            }
-          }
-          if (n1.r > 0)
-            for (int c = 0; c < 3; ++c) g1[c] += d_r1 * n1.v[c] / n1.r;
-          if (n2.r > 0)
-            for (int c = 0; c < 3; ++c) g2[c] += d_r2 * n2.v[c] / n2.r;
+          add_triple_grad(n1, n2, t, fc_a[j], fc_a[l], dfc_a[j], dfc_a[l], s_val, s_dc, s_dm,
+                          grad_edge);
         }
       }
     }

@@ -38,58 +38,31 @@ constexpr double kAlpha = 0.1;
 // CELU(0.1) in place, with its derivative.
 // ---------------------------------------------------------------------------
 
-// exp(u) and expm1(u) for u in [-87, 0]: u = n ln2 + r, |r| <= ln2/2, expm1(r) by
-// its Taylor series to r^7 (relative error < 1e-8), then 2^n (1 + q) (- 1).
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2Hi = 0.693145751953125f;  // 16 low bits zero: n * kLn2Hi is exact
-constexpr float kLn2Lo = 1.42860676533018672e-6f;
-constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds to an integer
-constexpr float kC2 = 1.0f / 2, kC3 = 1.0f / 6, kC4 = 1.0f / 24, kC5 = 1.0f / 120,
-                kC6 = 1.0f / 720, kC7 = 1.0f / 5040;
-
-inline void celu_scalar(float* z, float* d, int64_t count) {
+// float32: expm1 through simd::exp_parts (exp(u) = s (1 + q), so expm1(u) =
+// (s - 1) + s q keeps its relative accuracy near 0); the scalar tail and CPUs
+// without AVX2 use std::expm1 / std::exp.
+void celu_scalar(float* z, float* d, int64_t count) {
   for (int64_t i = 0; i < count; ++i) {
     const float x = z[i];
     if (x > 0.0f) {
       d[i] = 1.0f;
-      continue;
+    } else {
+      const float u = x * 10.0f;
+      d[i] = std::exp(u);
+      z[i] = static_cast<float>(kAlpha) * std::expm1(u);
     }
-    const float u = std::max(x * 10.0f, -87.0f);
-    const float nf = (u * kLog2e + kRound) - kRound;
-    const float r = (u - nf * kLn2Hi) - nf * kLn2Lo;
-    const float q = r + r * r * (kC2 + r * (kC3 + r * (kC4 + r * (kC5 + r * (kC6 + r * kC7)))));
-    const int32_t bits = (static_cast<int32_t>(nf) + 127) << 23;
-    float s;
-    std::memcpy(&s, &bits, sizeof(s));
-    d[i] = s + s * q;
-    z[i] = static_cast<float>(kAlpha) * ((s - 1.0f) + s * q);
   }
 }
 
-#ifdef TF_X86_DISPATCH
-__attribute__((target("avx2,fma"))) void celu_avx2(float* z, float* d, int64_t count) {
+#ifdef TF_SIMD_AVX2
+TF_AVX2 void celu_avx2(float* z, float* d, int64_t count) {
   const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
-  const __m256 ten = _mm256_set1_ps(10.0f), lo = _mm256_set1_ps(-87.0f);
-  const __m256 alpha = _mm256_set1_ps(static_cast<float>(kAlpha));
-  const __m256 log2e = _mm256_set1_ps(kLog2e), round = _mm256_set1_ps(kRound);
-  const __m256 hi2 = _mm256_set1_ps(kLn2Hi), lo2 = _mm256_set1_ps(kLn2Lo);
-  const __m256 c2 = _mm256_set1_ps(kC2), c3 = _mm256_set1_ps(kC3), c4 = _mm256_set1_ps(kC4);
-  const __m256 c5 = _mm256_set1_ps(kC5), c6 = _mm256_set1_ps(kC6), c7 = _mm256_set1_ps(kC7);
+  const __m256 ten = _mm256_set1_ps(10.0f), alpha = _mm256_set1_ps(static_cast<float>(kAlpha));
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
     const __m256 x = _mm256_loadu_ps(z + i);
-    const __m256 u = _mm256_max_ps(_mm256_mul_ps(x, ten), lo);
-    const __m256 nf = _mm256_sub_ps(_mm256_fmadd_ps(u, log2e, round), round);
-    const __m256 r = _mm256_fnmadd_ps(nf, lo2, _mm256_fnmadd_ps(nf, hi2, u));
-    __m256 p = _mm256_fmadd_ps(r, c7, c6);
-    p = _mm256_fmadd_ps(r, p, c5);
-    p = _mm256_fmadd_ps(r, p, c4);
-    p = _mm256_fmadd_ps(r, p, c3);
-    p = _mm256_fmadd_ps(r, p, c2);
-    const __m256 q = _mm256_fmadd_ps(_mm256_mul_ps(r, r), p, r);
-    const __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
-    const __m256 s = _mm256_castsi256_ps(bits);
+    __m256 s, q;
+    simd::exp_parts(_mm256_mul_ps(x, ten), s, q);
     const __m256 e = _mm256_fmadd_ps(s, q, s);
     const __m256 em1 = _mm256_fmadd_ps(s, q, _mm256_sub_ps(s, one));
     const __m256 pos = _mm256_cmp_ps(x, zero, _CMP_GT_OQ);
@@ -98,12 +71,11 @@ __attribute__((target("avx2,fma"))) void celu_avx2(float* z, float* d, int64_t c
   }
   celu_scalar(z + i, d + i, count - i);
 }
-
 #endif
 
 void celu_inplace(float* z, float* d, int64_t count) {
-#ifdef TF_X86_DISPATCH
-  if (small_gemm::have_avx2()) {
+#ifdef TF_SIMD_AVX2
+  if (simd::have_avx2()) {
     celu_avx2(z, d, count);
     return;
   }

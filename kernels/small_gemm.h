@@ -19,10 +19,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define TF_X86_DISPATCH 1
-#endif
+#include "simd_math.h"
 
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
@@ -35,13 +32,6 @@ void dgemm_(const char*, const char*, const int*, const int*, const int*, const 
 
 namespace torchani_fast::small_gemm {
 
-#ifdef TF_X86_DISPATCH
-inline bool have_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
-
-#endif
 
 // C (m x n) = op(A) op(B) + beta C, row-major (ta/tb: A/B stored transposed).
 template <typename T>
@@ -78,12 +68,12 @@ void blas(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, int64_t
   }
 }
 
-#ifdef TF_X86_DISPATCH
+#ifdef TF_SIMD_AVX2
 // Rows 0..R of C[:, 0:16] = epilogue(A W), W one (k, 16) panel, contiguous.
 // Accumulators start at `bias` (16 values) if given, else at C (accumulate) or 0;
 // the result is multiplied by D (ldd) if given.
 template <int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void panel_rows(
+TF_AVX2_INLINE void panel_rows(
     const float* a, int64_t lda, const float* w, int64_t k, const float* bias, bool accumulate,
     const float* d, int64_t ldd, float* c, int64_t ldc) {
   __m256 acc[R][2];
@@ -118,7 +108,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void panel_rows(
 
 // C (m x n) = epilogue(A (m x k) W), W (k x n) stored as n/16 panels of (k, 16),
 // each contiguous: a panel streams from memory once and stays in L1 over the rows.
-__attribute__((target("avx2,fma"))) inline void panel_gemm_avx2(
+TF_AVX2 inline void panel_gemm_avx2(
     int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
     const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc) {
   for (int64_t j = 0; j < n; j += 16) {
@@ -146,8 +136,8 @@ __attribute__((target("avx2,fma"))) inline void panel_gemm_avx2(
 
 // Whether panel_gemm can run here (float32, x86-64 with AVX2 and FMA).
 inline bool panels_supported() {
-#ifdef TF_X86_DISPATCH
-  return have_avx2();
+#ifdef TF_SIMD_AVX2
+  return simd::have_avx2();
 #else
   return false;
 #endif
@@ -157,7 +147,7 @@ inline bool panels_supported() {
 inline void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                        const float* w, const float* bias, bool accumulate, const float* d,
                        int64_t ldd, float* c, int64_t ldc) {
-#ifdef TF_X86_DISPATCH
+#ifdef TF_SIMD_AVX2
   panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc);
 #else
   TORCH_CHECK(false, "panel_gemm needs an x86-64 CPU with AVX2");

@@ -4,18 +4,20 @@
 // the ensemble, the element network (Linear -> CELU(0.1) -> ... -> Linear(1))
 // and, in the same pass, the input gradient of the members' sum,
 //   J = d(sum_members out) / d(used AEV columns)   (n_group, K_group),
-// which is all the backward of an ensemble-mean energy (forces) needs. One task
-// is (group, block of kBlockRows atoms, slice of the members); a task gathers
-// its rows of the AEV once, then runs each member's forward and backward back
-// to back. float32 on AVX2 CPUs uses the weights' panel copies (small_gemm.h):
-// per hidden layer W (forward) and W^T (backward), member-major; otherwise BLAS. Small inputs split the members across threads (few blocks), large ones
-// the blocks (no partial J to add up). The products are small_gemm.h's, one
-// thread inside a task.
+// which is all the backward of an ensemble-mean energy (forces) needs.
+//
+// One task is (group, block of kBlockRows atoms, slice of the members): it
+// gathers its rows of the AEV once, then runs each member's forward and
+// backward back to back, one thread per task. Inputs of few blocks also split
+// the members into slices, so that every thread has work; the split depends on
+// the input only, and results do not depend on the number of threads.
+// float32 on AVX2 CPUs multiplies with the weights' panel copies (W for the
+// forward, W^T for the backward, small_gemm.h); otherwise BLAS.
 //
 // CELU(alpha) = x for x > 0, alpha expm1(x / alpha) otherwise; its derivative
-// is kept from the forward pass. float32 uses its own expm1 (AVX2 when the CPU
-// has it), accurate to about 1 ulp; float64 uses std::expm1/std::exp and
-// reproduces PyTorch's backward, which scales by 1/float32(alpha) (see nn.py).
+// is kept from the forward pass. float32 uses simd_math.h's exp on AVX2 CPUs
+// (about 1 ulp); float64 uses std::expm1/std::exp and reproduces PyTorch's
+// backward, which scales by 1/float32(alpha) (see nn.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -31,7 +33,8 @@
 namespace torchani_fast {
 namespace {
 
-constexpr int64_t kBlockRows = 64;
+constexpr int64_t kBlockRows = 64;     // atoms per task
+constexpr int64_t kTargetTasks = 16;  // below this many blocks, members are split too
 constexpr double kAlpha = 0.1;
 
 // ---------------------------------------------------------------------------
@@ -325,11 +328,12 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
   }
   const int64_t plan_rows = rows_begin;
   at::Tensor values = at::empty({members, plan_rows}, aev.options());
-  // Few blocks: split the members over the threads too (p-major task order, so
-  // each thread gets a slice of the members for every group); each slice writes
-  // its own partial J. Many blocks: one slice, threads split the blocks.
-  const int64_t threads = at::get_num_threads();
-  const int64_t slices = (blocks < 4 * threads) ? std::max<int64_t>(1, std::min(threads, members)) : 1;
+  // Few blocks: split the members into slices too (p-major task order, so a
+  // thread gets whole slices of the members for every group); each slice
+  // writes its own partial J, added in slice order. The split depends on the
+  // input only, so results are the same for any number of threads.
+  const int64_t slices =
+      std::min(members, std::max<int64_t>(1, (kTargetTasks + blocks - 1) / blocks));
   at::Tensor jac = at::empty({input_grad ? slices * jac_size : 0}, aev.options());
   std::vector<Task> tasks;
   for (int64_t p = 0; p < slices; ++p)

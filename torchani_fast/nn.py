@@ -2,11 +2,21 @@
 
 TorchANI's ``Ensemble`` runs 8 members x 7 element networks one after another,
 each a chain of small matrix products. :class:`FusedEnsemble` evaluates, for each
-element present in the input, all active members together:
+element present in the input, all active members together, CELU(alpha=0.1)
+after every layer but the last:
 
-- layer 1: one wide GEMM, ``(atoms, K) @ (K, members * width)``;
-- later layers: one batched GEMM (``baddbmm``) over the members;
-- CELU(alpha=0.1) after every layer but the last.
+- **CPU (eager)**: one C++ op for all groups and members, ``ensemble_mlp``
+  (``kernels/ensemble_cpu.cpp``). Per block of 64 atoms and member it runs the
+  forward pass and, when forces are wanted, the input gradient of the members'
+  sum, J = d(sum_k out_k)/dx, right after it, with the member's weights still in
+  cache; nothing is kept for backward but the AEV and J (about 10% of the
+  activations' size). float32 on AVX2 CPUs multiplies with its own kernels on
+  16-column panel copies of the weights (W and W^T), made once and cached;
+  other CPUs and float64 call BLAS. ``native_cpu = False`` turns it off.
+- **Elsewhere** (CUDA, TorchScript, training): layer 1 as one wide GEMM
+  ``(atoms, K) @ (K, members * width)`` (a batched GEMM over the members for
+  groups of up to ``small_group_atoms``), later layers as one batched GEMM
+  (``baddbmm``) over the members, through autograd.
 
 **Zero blocks.** An AEV column belongs to one neighbour element (radial block
 ``s*R .. s*R+R-1``) or to one pair of neighbour elements (angular block
@@ -24,7 +34,10 @@ and so is their derivative, so forces stay exact).
 the only source of truth. Packed copies are derived from them and cached: the
 later layers once, layer 1 once per (element, set of elements whose columns are
 used); at most ``max_first_layer_packs`` of the latter are kept, oldest dropped
-first. The cache is dropped by ``.to()``/``.double()``, ``load_state_dict``,
+first. The CPU op's float32 panel copies (W and W^T of each hidden layer) are
+kept with the packs they come from, so the cache holds about three copies of
+the weights it uses (ANI-2x on a CHNOS protein: 103 MB, the model's own
+parameters being 55 MB). The cache is dropped by ``.to()``/``.double()``, ``load_state_dict``,
 ``set_active_members`` and :meth:`FusedEnsemble.clear_cache` (call it after
 editing weights in place), and rebuilt when the parameters' dtype or device no
 longer match it.
@@ -33,19 +46,15 @@ longer match it.
 call with differentiable ops and nothing is cached, so weight gradients are
 exact and an optimizer step is seen by the next call.
 
-**Memory of large inputs.** Autograd keeps every layer's pre-activation for the
-backward pass: about 19 kB per atom for ANI-2x (8 members), 1.7 GB for 100 000
-atoms. When that estimate exceeds ``recompute_min_bytes`` (64 MiB on the CPU,
-about 3 500 ANI-2x atoms; ``recompute_min_bytes_gpu``, 1 GiB, on other devices)
-and the weights need no gradient, an eager module evaluates the networks in
-chunks of atoms and keeps no activations (``_Recompute``). On the CPU the
-forward pass also stores the derivative of the members' sum with respect to the
-used AEV columns, so that the usual backward (forces of an ensemble mean) is
-one multiplication; other backward passes (per-member values, QBCs,
-``create_graph=True``, GPUs) recompute the activations chunk by chunk. Results
-are equal to the other path to rounding (the forces in fact bit for bit); the
-backward is differentiable again (Hessians). A scripted module always keeps
-the activations.
+**Backward passes.** The usual backward (energies, atomic energies or forces of
+an ensemble mean: the same incoming gradient for every member) is ``grad * J``.
+Any other (per-member values, QBCs, ``create_graph=True``) recomputes the
+activations a chunk of atoms at a time with differentiable PyTorch ops, so it
+can be differentiated again (Hessians). On other devices autograd keeps every
+layer's pre-activation: about 19 kB per atom for ANI-2x (8 members); when that
+exceeds ``recompute_min_bytes_gpu`` (1 GiB) the same chunked recomputation is
+used instead (``recompute_min_bytes``, 64 MiB, applies to a CPU module with
+``native_cpu = False``). A scripted module always keeps the activations.
 """
 import operator
 import struct

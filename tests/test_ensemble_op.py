@@ -1,0 +1,144 @@
+"""The fused networks' C++ op (torchani_fast::ensemble_mlp) against plain PyTorch.
+
+The reference below evaluates each member's MLP with torch.nn.functional and
+takes J = d(sum over members)/d(input) by autograd: nothing of nn.py is used.
+"""
+import pytest
+import torch
+
+import torchani_fast  # noqa: F401  (loads the op)
+
+op = torch.ops.torchani_fast.ensemble_mlp
+
+
+def make_groups(dtype, members, widths, cols_per_group, sizes, features=64, seed=0):
+    """Random AEV rows, groups and packed weights in the layouts of nn.py."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(sizes) + 3
+    aev = torch.rand(n, features, generator=g, dtype=dtype) * 0.4
+    atoms = torch.randperm(n, generator=g)[: sum(sizes)]
+    columns, first, packs, layers, mlps = [], [], [], [], []
+    for k_cols in cols_per_group:
+        cols = torch.sort(torch.randperm(features, generator=g)[:k_cols]).values
+        dims = [k_cols] + widths + [1]
+        ws = [torch.randn(members, dims[i], dims[i + 1], generator=g, dtype=dtype) / dims[i] ** 0.5
+              for i in range(len(dims) - 1)]
+        bs = [torch.randn(members, dims[i + 1], generator=g, dtype=dtype) * 0.1 for i in range(len(dims) - 1)]
+        columns.append(cols)
+        first.append(ws[0].permute(1, 0, 2).reshape(k_cols, -1).contiguous())  # (K, members * d1)
+        packs.append(bs[0].reshape(-1))
+        for w, b in zip(ws[1:], bs[1:]):
+            packs += [w.contiguous(), b.unsqueeze(1).contiguous()]
+        layers.append(len(dims) - 1)
+        mlps.append((ws, bs))
+    return aev, atoms, list(sizes), columns, first, packs, layers, mlps
+
+
+def panels_of(first, packs, layers, members):
+    """float32 panel copies (W and W^T as 16-column panels) of every hidden layer."""
+    out, p = [], 0
+    for w1, nl in zip(first, layers):
+        ws = [w1.view(w1.shape[0], members, -1).transpose(0, 1)]
+        ws += [packs[p + 2 * l - 1] for l in range(1, nl - 1)]
+        for w in ws:
+            k, d_in, d_out = w.shape
+            out.append(w.reshape(k, d_in, d_out // 16, 16).permute(0, 2, 1, 3).contiguous())
+            out.append(w.reshape(k, d_in // 16, 16, d_out).permute(0, 1, 3, 2).contiguous())
+        p += 2 * nl - 1
+    return out
+
+
+def reference(aev, atoms, sizes, columns, mlps):
+    values, jacobians = [], []
+    for atoms_g, cols, (ws, bs) in zip(atoms.split(sizes), columns, mlps):
+        x = aev[atoms_g][:, cols].clone().requires_grad_(True)
+        outs = []
+        for m in range(ws[0].shape[0]):
+            h = x
+            for l, (w, b) in enumerate(zip(ws, bs)):
+                h = h @ w[m] + b[m]
+                if l + 1 < len(ws):
+                    h = torch.nn.functional.celu(h, 0.1)
+            outs.append(h[:, 0])
+        out = torch.stack(outs)
+        (j,) = torch.autograd.grad(out.sum(), x)
+        values.append(out.detach())
+        jacobians.append(j.flatten())
+    return torch.cat(values, 1), torch.cat(jacobians)
+
+
+CASES = {
+    # widths, AEV columns per group, atoms per group
+    "ani-like": ([32, 16, 16], [48, 32, 64], [70, 5, 130]),
+    "one-atom": ([32, 16, 16], [16], [1]),
+    "odd-widths": ([10, 6], [7, 13], [9, 66]),  # not multiples of 16: BLAS only
+    "linear": ([], [16, 32], [4, 3]),  # one Linear layer: J = W^T
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_matches_pytorch(case, dtype):
+    widths, cols, sizes = CASES[case]
+    members = 3
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(dtype, members, widths, cols, sizes)
+    v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
+    variants = [[]]
+    if dtype == torch.float32 and all(w % 16 == 0 for w in widths + cols) and widths:
+        variants.append(panels_of(first, packs, layers, members))
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for panels in variants:
+        values, jac = op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True)
+        torch.testing.assert_close(values, v_ref, **tol)
+        torch.testing.assert_close(jac, j_ref, **tol)
+        values_only, empty = op(aev, atoms, sizes, columns, first, packs, panels, layers, members, False)
+        assert empty.numel() == 0
+        torch.testing.assert_close(values_only, values, rtol=0, atol=0)
+
+
+def test_same_bits_for_any_number_of_threads():
+    widths, cols, sizes = CASES["ani-like"]
+    args = make_groups(torch.float32, 8, widths, cols, sizes)[:7]
+    aev, atoms, sizes, columns, first, packs, layers = args
+    panels = panels_of(first, packs, layers, 8)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(op(aev, atoms, sizes, columns, first, packs, panels, layers, 8, True))
+    finally:
+        torch.set_num_threads(threads)
+    for values, jac in results[1:]:
+        assert torch.equal(values, results[0][0]) and torch.equal(jac, results[0][1])
+
+
+def test_bad_arguments_are_named():
+    widths, cols, sizes = CASES["ani-like"]
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float32, 2, widths, cols, sizes)
+    good = dict(aev=aev, atoms=atoms, sizes=sizes, columns=columns, first=first, packs=packs, panels=[],
+                layers=layers, members=2, input_grad=True)
+
+    def call(**change):
+        kw = {**good, **change}
+        return op(kw["aev"], kw["atoms"], kw["sizes"], kw["columns"], kw["first"], kw["packs"], kw["panels"],
+                  kw["layers"], kw["members"], kw["input_grad"])
+
+    bad_atoms = atoms.clone()
+    bad_atoms[0] = aev.shape[0]
+    bad_cols = [c.clone() for c in columns]
+    bad_cols[1][-1] = aev.shape[1]
+    for change, message in [
+        (dict(atoms=bad_atoms), "atoms must index"),
+        (dict(columns=bad_cols), r"columns\[1\] must be in"),
+        (dict(sizes=[sizes[0] + 1] + sizes[1:]), "sizes add up to"),
+        (dict(first=[first[0].double()] + first[1:]), r"first\[0\]"),
+        (dict(packs=packs[:-1]), "packs"),
+        (dict(layers=layers[:-1]), "one entry per group"),
+        (dict(members=0), "members = 0"),
+        (dict(aev=aev.t()), "aev must be a contiguous"),
+        (dict(aev=aev.half()), "float32 or float64"),
+        (dict(panels=[torch.zeros(1)]), "panels holds"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            call(**change)

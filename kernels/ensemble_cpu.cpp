@@ -6,9 +6,10 @@
 //   J = d(sum_members out) / d(used AEV columns)   (n_group, K_group),
 // which is all the backward of an ensemble-mean energy (forces) needs.
 //
-// One task is (group, block of kBlockRows atoms, slice of the members): it
-// gathers its rows of the AEV once, then runs each member's forward and
-// backward back to back, one thread per task. Inputs of few blocks also split
+// One task is (group, block of up to kBlockRows atoms, slice of the members):
+// the blocks of a group are of even size. A task gathers its rows of the AEV
+// once, then runs each member's forward and backward back to back, one thread
+// per task. Inputs of few blocks also split
 // the members into slices, so that every thread has work; the split depends on
 // the input only, and results do not depend on the number of threads.
 // float32 on AVX2 CPUs multiplies with the weights' panel copies (W for the
@@ -33,7 +34,7 @@
 namespace torchani_fast {
 namespace {
 
-constexpr int64_t kBlockRows = 64;     // atoms per task
+constexpr int64_t kBlockRows = 96;     // at most this many atoms per task
 constexpr int64_t kTargetTasks = 16;  // below this many blocks, members are split too
 constexpr double kAlpha = 0.1;
 
@@ -338,8 +339,10 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
   std::vector<Task> tasks;
   for (int64_t p = 0; p < slices; ++p)
     for (int64_t g = 0; g < groups; ++g)
-      for (int64_t r = 0; r < sizes[g]; r += kBlockRows)
-        tasks.push_back({g, r, std::min(kBlockRows, sizes[g] - r), p});
+      for (int64_t b = 0, nb = (sizes[g] + kBlockRows - 1) / kBlockRows; b < nb; ++b) {
+        const int64_t r0 = sizes[g] * b / nb, r1 = sizes[g] * (b + 1) / nb;  // even blocks
+        tasks.push_back({g, r0, r1 - r0, p});
+      }
   const T* aev_ptr = aev.data_ptr<T>();
   const int64_t* atom_ptr = atoms.data_ptr<int64_t>();
   T* value_ptr = values.data_ptr<T>();

@@ -20,6 +20,17 @@ using namespace aev_cpu_detail;
 
 namespace {
 
+// The angular cutoff of each angular neighbour, and its derivative if dfc is given.
+template <typename scalar_t>
+inline void angular_cutoffs(const std::vector<Neighbor<scalar_t>>& ang, scalar_t rc,
+                            std::vector<scalar_t>& fc, std::vector<scalar_t>* dfc) {
+  fc.resize(ang.size());
+  for (size_t j = 0; j < ang.size(); ++j) fc[j] = cutoff_cos(ang[j].r, rc);
+  if (dfc == nullptr) return;
+  dfc->resize(ang.size());
+  for (size_t j = 0; j < ang.size(); ++j) (*dfc)[j] = cutoff_cos_deriv(ang[j].r, rc);
+}
+
 // The gradient of one angular triple on its two half edges, from the sums over
 // its AEV block (g = grad_aev): s_val = sum g f, s_dc = sum g df/dc and
 // s_dm = sum g df/d(mean r) without the cutoffs; fc1, fc2 and dfc1, dfc2 are the
@@ -123,8 +134,7 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
       }
       if (n.r <= k.rc_a) ang.push_back(n);
     }
-    fc_a.resize(ang.size());
-    for (size_t j = 0; j < ang.size(); ++j) fc_a[j] = cutoff_cos(ang[j].r, k.rc_a);
+    angular_cutoffs<float>(ang, k.rc_a, fc_a, nullptr);
     for (size_t j = 0; j < ang.size(); ++j) {
       for (size_t l = j + 1; l < ang.size(); ++l) {
         const auto t = make_triple(ang[j], ang[l]);
@@ -179,12 +189,7 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
       for (int c = 0; c < 3; ++c) ge[c] += dr * n.v[c] / n.r;
     }
     const size_t na = ang.size();
-    fc_a.resize(na);
-    dfc_a.resize(na);
-    for (size_t j = 0; j < na; ++j) {
-      fc_a[j] = cutoff_cos(ang[j].r, k.rc_a);
-      dfc_a[j] = cutoff_cos_deriv(ang[j].r, k.rc_a);
-    }
+    angular_cutoffs(ang, k.rc_a, fc_a, &dfc_a);
     for (size_t j = 0; j < na; ++j) {
       for (size_t l = j + 1; l < na; ++l) {
         const auto& n1 = ang[j];
@@ -248,8 +253,7 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
         }
         if (n.r <= k.rc_a) ang.push_back(n);
       }
-      fc_a.resize(ang.size());
-      for (size_t j = 0; j < ang.size(); ++j) fc_a[j] = cutoff_cos(ang[j].r, k.rc_a);
+      angular_cutoffs<scalar_t>(ang, k.rc_a, fc_a, nullptr);
       for (size_t j = 0; j < ang.size(); ++j) {
         for (size_t l = j + 1; l < ang.size(); ++l) {
           const auto t = make_triple(ang[j], ang[l]);
@@ -310,12 +314,7 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
         for (int c = 0; c < 3; ++c) ge[c] += dr * n.v[c] / n.r;
       }
       const size_t na = ang.size();
-      fc_a.resize(na);
-      dfc_a.resize(na);
-      for (size_t j = 0; j < na; ++j) {
-        fc_a[j] = cutoff_cos(ang[j].r, k.rc_a);
-        dfc_a[j] = cutoff_cos_deriv(ang[j].r, k.rc_a);
-      }
+      angular_cutoffs(ang, k.rc_a, fc_a, &dfc_a);
       for (size_t j = 0; j < na; ++j) {
         for (size_t l = j + 1; l < na; ++l) {
           const auto& n1 = ang[j];

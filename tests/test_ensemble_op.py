@@ -142,3 +142,12 @@ def test_bad_arguments_are_named():
     ]:
         with pytest.raises(RuntimeError, match=message):
             call(**change)
+
+
+def test_opcheck():
+    widths, cols, sizes = CASES["ani-like"]
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float32, 2, widths, cols, sizes)
+    panels = panels_of(first, packs, layers, 2)
+    for grad in (True, False):
+        torch.library.opcheck(op.default, (aev, atoms, sizes, columns, first, packs, panels, layers, 2, grad),
+                              test_utils=("test_schema", "test_faketensor"))

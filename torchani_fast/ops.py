@@ -284,3 +284,11 @@ def _aev_local_derivatives_fake(grad_aev, columns, species, pairs, diff_vectors,
     jacobian = diff_vectors.new_empty((n, k, 3, columns.shape[0]))
     curvature = diff_vectors.new_empty((n, k, 3, k, 3))
     return local_atoms, jacobian, curvature
+
+
+@torch.library.register_fake("torchani_fast::ensemble_mlp")
+def _ensemble_mlp_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members, input_grad):
+    torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
+    torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
+    jac = sum(n * c.shape[0] for n, c in zip(sizes, columns)) if input_grad else 0
+    return aev.new_empty((members, atoms.shape[0])), aev.new_empty((jac,))

@@ -386,4 +386,54 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
                                    input_grad);
 }
 
+at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,
+                                     at::IntArrayRef sizes, at::TensorList columns,
+                                     const at::Tensor& jacobian, int64_t num_atoms,
+                                     int64_t features) {
+  TORCH_CHECK(grad_values.dim() == 2 && grad_values.size(1) == atoms.numel(),
+              "ensemble_mlp_backward: grad_values must be (members, ", atoms.numel(),
+              "), got ", grad_values.sizes());
+  TORCH_CHECK(grad_values.scalar_type() == jacobian.scalar_type(),
+              "ensemble_mlp_backward: grad_values and jacobian differ in dtype");
+  TORCH_CHECK(atoms.dim() == 1 && atoms.scalar_type() == at::kLong && columns.size() == sizes.size(),
+              "ensemble_mlp_backward: atoms must be 1-D int64 and columns have one entry per group");
+  int64_t expected = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) expected += sizes[g] * columns[g].numel();
+  TORCH_CHECK(jacobian.dim() == 1 && jacobian.numel() == expected && jacobian.is_contiguous(),
+              "ensemble_mlp_backward: jacobian must be flat with ", expected, " entries");
+  const at::Tensor grad = grad_values.contiguous();
+  const at::Tensor idx = atoms.contiguous();
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "ensemble_mlp_backward", [&] {
+    const int64_t n = grad.size(1);
+    const scalar_t* gv = grad.data_ptr<scalar_t>();
+    for (int64_t m = 1; m < grad.size(0); ++m) {
+      for (int64_t i = 0; i < n; ++i) {
+        if (!(gv[m * n + i] == gv[i])) return;  // members differ: out stays undefined
+      }
+    }
+    out = at::zeros({num_atoms, features}, grad.options());
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* jac = jacobian.data_ptr<scalar_t>();
+    const int64_t* at_ptr = idx.data_ptr<int64_t>();
+    int64_t row = 0, off = 0;
+    for (size_t g = 0; g < sizes.size(); ++g) {
+      const at::Tensor cols = columns[g].contiguous();
+      const int64_t* c = cols.data_ptr<int64_t>();
+      const int64_t k = cols.numel();
+      for (int64_t r = 0; r < sizes[g]; ++r) {
+        const int64_t a = at_ptr[row + r];
+        TORCH_CHECK(a >= 0 && a < num_atoms, "ensemble_mlp_backward: atoms[", row + r, "] = ", a,
+                    " is not in [0, ", num_atoms, ")");
+        const scalar_t s = gv[row + r];
+        const scalar_t* j = jac + off + r * k;
+        for (int64_t q = 0; q < k; ++q) o[a * features + c[q]] = s * j[q];
+      }
+      row += sizes[g];
+      off += sizes[g] * k;
+    }
+  });
+  return out.defined() ? out : at::empty({0}, grad_values.options());
+}
+
 }  // namespace torchani_fast

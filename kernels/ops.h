@@ -215,6 +215,15 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
     at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
     at::IntArrayRef layers, int64_t members, bool input_grad);
 
+// The AEV gradient (num_atoms, features) of ensemble_mlp's values when every
+// member's row of grad_values (members, atoms.numel()) is the same (an
+// ensemble mean): grad_values[0] * J scattered to the atoms and columns of
+// each group. If the rows differ, an empty 1-D tensor (the caller recomputes).
+at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,
+                                     at::IntArrayRef sizes, at::TensorList columns,
+                                     const at::Tensor& jacobian, int64_t num_atoms,
+                                     int64_t features);
+
 // Argument checks shared by every backend (names the argument and the value).
 void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tensor& pairs,
                       const at::Tensor& diff_vectors, const AEVParams& p);

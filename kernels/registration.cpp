@@ -11,7 +11,8 @@
 TORCH_LIBRARY(torchani_fast, m) {
   using namespace torchani_fast::schema;
   for (const char* schema : {kNeighborPairs, kNeighborPairsPadded, kAev, kAevBackward, kAevJvp,
-                             kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp}) {
+                             kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
+                             kEnsembleMlpBackward}) {
     m.def(schema);
   }
 }
@@ -26,6 +27,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("aev_double_backward", &AevDoubleBackwardOp::flat<&aev_double_backward_cpu>);
   m.impl("aev_local_derivatives", &AevLocalDerivativesOp::flat<&aev_local_derivatives_cpu>);
   m.impl("ensemble_mlp", &ensemble_mlp_cpu);
+  m.impl("ensemble_mlp_backward", &ensemble_mlp_backward_cpu);
 }
 
 #ifdef TORCHANI_FAST_CUDA

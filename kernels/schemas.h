@@ -29,6 +29,9 @@ constexpr const char* kEnsembleMlp =
     "ensemble_mlp(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
     "Tensor[] packs, Tensor[] panels, int[] layers, int members, bool input_grad) -> (Tensor values, "
     "Tensor jacobian)";
+constexpr const char* kEnsembleMlpBackward =
+    "ensemble_mlp_backward(Tensor grad_values, Tensor atoms, int[] sizes, Tensor[] columns, "
+    "Tensor jacobian, int num_atoms, int features) -> Tensor";
 
 }  // namespace torchani_fast::schema
 

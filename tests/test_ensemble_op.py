@@ -151,3 +151,27 @@ def test_opcheck():
     for grad in (True, False):
         torch.library.opcheck(op.default, (aev, atoms, sizes, columns, first, packs, panels, layers, 2, grad),
                               test_utils=("test_schema", "test_faketensor"))
+
+
+def test_backward_of_an_ensemble_mean():
+    # ensemble_mlp_backward: grad_values[0] * J scattered to (atom, column) when
+    # every member has the same incoming gradient; empty (recompute) otherwise.
+    widths, cols, sizes = CASES["ani-like"]
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float64, 3, widths, cols, sizes)
+    values, jac = op(aev, atoms, sizes, columns, first, packs, [], layers, 3, True)
+    weights = torch.rand(atoms.shape[0], dtype=torch.float64)
+    _, j_ref = reference(aev, atoms, sizes, columns, mlps)  # d(sum of members)/d(used columns)
+    expected = torch.zeros_like(aev)
+    start = 0
+    for atoms_g, cols, j in zip(atoms.split(sizes), columns, j_ref.split([n * c.numel() for n, c in zip(sizes, columns)])):
+        w = weights[start:start + atoms_g.numel()]
+        expected[atoms_g.unsqueeze(1), cols.unsqueeze(0)] = w.unsqueeze(1) * j.view(atoms_g.numel(), -1)
+        start += atoms_g.numel()
+    grad = torch.ops.torchani_fast.ensemble_mlp_backward(weights.expand(3, -1), atoms, sizes, columns, jac,
+                                                         aev.shape[0], aev.shape[1])
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
+    differing = weights.expand(3, -1).clone()
+    differing[2, 5] += 1
+    empty = torch.ops.torchani_fast.ensemble_mlp_backward(differing, atoms, sizes, columns, jac,
+                                                          aev.shape[0], aev.shape[1])
+    assert empty.shape == (0,)

@@ -803,13 +803,14 @@ class _Recompute(torch.autograd.Function):
     weights (K, k*d1), the other packs). Output (k, atoms in plan order). The
     weights are constants here (the path is only taken when they need no grad).
 
-    On the CPU the forward pass also stores, per atom, the derivative of the sum
-    over members, J = d(sum_k out_k)/dx (the used AEV columns only: about 10%
-    of the activations' size). When the incoming gradient is the same for every
-    member, which is the case of energies, atomic energies and forces of an
-    ensemble mean, the backward is ``grad * J``. Otherwise (per-member values,
-    QBC, create_graph=True, or CUDA, where checking would synchronise) the
-    backward recomputes the activations a chunk at a time.
+    On the CPU the forward pass (the C++ op ensemble_mlp) also stores, per atom,
+    the derivative of the sum over members, J = d(sum_k out_k)/dx (the used AEV
+    columns only: about 10% of the activations' size). When the incoming
+    gradient is the same for every member, which is the case of energies,
+    atomic energies and forces of an ensemble mean, the backward is
+    ``grad * J`` (ensemble_mlp_backward). Otherwise (per-member values, QBC,
+    create_graph=True, or other devices) the backward recomputes the
+    activations a chunk at a time.
     """
 
     @staticmethod
@@ -818,14 +819,10 @@ class _Recompute(torch.autograd.Function):
         ctx.k = k
         ctx.small = small
         ctx.save_for_backward(aev)
-        ctx.jacobians = []
+        ctx.native = None
         if native is not None:  # CPU: the C++ op, values and J in one pass
             values, jac = torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), *native, k, True)
-            sizes, columns = native[1], native[2]
-            ctx.jacobians = [
-                j.view(n, c.shape[0])
-                for j, n, c in zip(jac.split([n * c.shape[0] for n, c in zip(sizes, columns)]), sizes, columns)
-            ]
+            ctx.native = (native[0], native[1], native[2], jac)  # atoms, sizes, columns, J
             return values
         outs = []
         for atoms, cols, w1, packs in plan:
@@ -839,26 +836,22 @@ class _Recompute(torch.autograd.Function):
         # Grad mode is on here only under create_graph=True: then the backward is
         # recorded (out-of-place writes) and can be differentiated again.
         differentiable = torch.is_grad_enabled()
-        shared = (
-            len(ctx.jacobians) > 0 and not differentiable
-            and bool(torch.equal(grad_out, grad_out[:1].expand_as(grad_out)))
-        )
+        native, ctx.native = ctx.native, None
+        if native is not None and not differentiable:
+            # grad_out[0] * J when every member has the same incoming gradient.
+            grad = torch.ops.torchani_fast.ensemble_mlp_backward(grad_out, *native, aev.shape[0], aev.shape[1])
+            if grad.dim() == 2:
+                return grad, None, None, None, None
         grad = aev.new_zeros(aev.shape)
         start = 0
-        for g, (atoms, cols, w1, packs) in enumerate(ctx.plan):
-            chunks = [atoms] if shared else atoms.split(RECOMPUTE_CHUNK_ATOMS)
-            for chunk in chunks:
+        for atoms, cols, w1, packs in ctx.plan:
+            for chunk in atoms.split(RECOMPUTE_CHUNK_ATOMS):
                 n = chunk.shape[0]
-                go = grad_out.narrow(1, start, n)
-                if shared:
-                    gx = ctx.jacobians[g] * go[0].unsqueeze(1)
-                else:
-                    pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, ctx.k, ctx.small)[1]
-                    gx = _mlp_input_grad(go, w1, packs, pre, ctx.k, ctx.small)
+                pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, ctx.k, ctx.small)[1]
+                gx = _mlp_input_grad(grad_out.narrow(1, start, n), w1, packs, pre, ctx.k, ctx.small)
                 index = (chunk,) if cols is None else (chunk.unsqueeze(1), cols.unsqueeze(0))
                 grad = grad.index_put(index, gx) if differentiable else grad.index_put_(index, gx)
                 start += n
-        ctx.jacobians = []
         return grad, None, None, None, None
 
 

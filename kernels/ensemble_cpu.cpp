@@ -48,7 +48,7 @@ constexpr double kAlpha = 0.1;
 void celu_scalar(float* z, float* d, int64_t count) {
   for (int64_t i = 0; i < count; ++i) {
     const float x = z[i];
-    if (x > 0.0f) {
+    if (!(x <= 0.0f)) {  // x > 0 or NaN: x passes through
       d[i] = 1.0f;
     } else {
       const float u = x * 10.0f;
@@ -69,7 +69,7 @@ TF_AVX2 void celu_avx2(float* z, float* d, int64_t count) {
     simd::exp_parts(_mm256_mul_ps(x, ten), s, q);
     const __m256 e = _mm256_fmadd_ps(s, q, s);
     const __m256 em1 = _mm256_fmadd_ps(s, q, _mm256_sub_ps(s, one));
-    const __m256 pos = _mm256_cmp_ps(x, zero, _CMP_GT_OQ);
+    const __m256 pos = _mm256_cmp_ps(x, zero, _CMP_NLE_UQ);  // x > 0 or NaN: x passes through
     _mm256_storeu_ps(d + i, _mm256_blendv_ps(e, one, pos));
     _mm256_storeu_ps(z + i, _mm256_blendv_ps(_mm256_mul_ps(alpha, em1), x, pos));
   }
@@ -92,7 +92,7 @@ void celu_inplace(double* z, double* d, int64_t count) {
   const double c = 1.0 / static_cast<double>(static_cast<float>(kAlpha));
   for (int64_t i = 0; i < count; ++i) {
     const double x = z[i];
-    if (x > 0.0) {
+    if (!(x <= 0.0)) {
       d[i] = 1.0;
     } else {
       d[i] = c * kAlpha * std::exp(x * c);

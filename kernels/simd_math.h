@@ -26,7 +26,8 @@ inline bool have_avx2() {
 
 // exp(u) = s (1 + q): s = 2^n, q = expm1(r), u = n ln2 + r, |r| <= ln2 / 2
 // (Taylor series of expm1 to r^7: relative error < 1e-8). Lanes below -87.3
-// give s = 0 (exp underflows to 0 in float32), lanes above 88 saturate.
+// give s = 0 (exp underflows to 0 in float32), lanes above 88 saturate, NaN
+// lanes give s = 0 (exp() below returns them as NaN).
 TF_AVX2_INLINE void exp_parts(__m256 u, __m256& s, __m256& q) {
   const __m256 lo = _mm256_set1_ps(-87.0f);
   const __m256 uc = _mm256_min_ps(_mm256_max_ps(u, lo), _mm256_set1_ps(88.0f));
@@ -49,7 +50,8 @@ TF_AVX2_INLINE void exp_parts(__m256 u, __m256& s, __m256& q) {
 TF_AVX2_INLINE __m256 exp(__m256 u) {
   __m256 s, q;
   exp_parts(u, s, q);
-  return _mm256_fmadd_ps(s, q, s);
+  // NaN lanes stay NaN.
+  return _mm256_blendv_ps(_mm256_fmadd_ps(s, q, s), u, _mm256_cmp_ps(u, u, _CMP_UNORD_Q));
 }
 
 // ln x for x > 0 (x = m 2^e, m in [sqrt(1/2), sqrt(2)), atanh series of m).

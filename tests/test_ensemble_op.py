@@ -175,3 +175,15 @@ def test_backward_of_an_ensemble_mean():
     empty = torch.ops.torchani_fast.ensemble_mlp_backward(differing, atoms, sizes, columns, jac,
                                                           aev.shape[0], aev.shape[1])
     assert empty.shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_nan_input_gives_nan(dtype):
+    # A NaN in an AEV row must not come out as a finite energy.
+    widths, cols, sizes = CASES["ani-like"]
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(dtype, 2, widths, cols, sizes)
+    panels = panels_of(first, packs, layers, 2) if dtype == torch.float32 else []
+    aev[atoms[3], columns[0]] = float("nan")
+    values, jac = op(aev, atoms, sizes, columns, first, packs, panels, layers, 2, True)
+    assert torch.isnan(values[:, 3]).all()
+    assert torch.isfinite(values[:, :3]).all() and torch.isfinite(values[:, 4:]).all()

@@ -421,14 +421,23 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
       const at::Tensor cols = columns[g].contiguous();
       const int64_t* c = cols.data_ptr<int64_t>();
       const int64_t k = cols.numel();
+      TORCH_CHECK(k == 0 || (cols.min().item<int64_t>() >= 0 &&
+                             cols.max().item<int64_t>() < features),
+                  "ensemble_mlp_backward: columns[", g, "] must be in [0, ", features, ")");
       for (int64_t r = 0; r < sizes[g]; ++r) {
         const int64_t a = at_ptr[row + r];
         TORCH_CHECK(a >= 0 && a < num_atoms, "ensemble_mlp_backward: atoms[", row + r, "] = ", a,
                     " is not in [0, ", num_atoms, ")");
-        const scalar_t s = gv[row + r];
-        const scalar_t* j = jac + off + r * k;
-        for (int64_t q = 0; q < k; ++q) o[a * features + c[q]] = s * j[q];
       }
+      // Rows of one group go to distinct atoms: no two threads write one row.
+      at::parallel_for(0, sizes[g], 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const scalar_t s = gv[row + r];
+          const scalar_t* j = jac + off + r * k;
+          scalar_t* dst = o + at_ptr[row + r] * features;
+          for (int64_t q = 0; q < k; ++q) dst[c[q]] = s * j[q];
+        }
+      });
       row += sizes[g];
       off += sizes[g] * k;
     }

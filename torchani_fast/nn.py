@@ -6,7 +6,7 @@ element present in the input, all active members together, CELU(alpha=0.1)
 after every layer but the last:
 
 - **CPU (eager)**: one C++ op for all groups and members, ``ensemble_mlp``
-  (``kernels/ensemble_cpu.cpp``). Per block of 64 atoms and member it runs the
+  (``kernels/ensemble_cpu.cpp``). Per block of up to 96 atoms and member it runs the
   forward pass and, when forces are wanted, the input gradient of the members'
   sum, J = d(sum_k out_k)/dx, right after it, with the member's weights still in
   cache; nothing is kept for backward but the AEV and J (about 10% of the
@@ -37,8 +37,8 @@ used); at most ``max_first_layer_packs`` of the latter are kept, oldest dropped
 first. The CPU op's float32 panel copies (W and W^T of each hidden layer) are
 kept with the packs they come from, so the cache holds about three copies of
 the weights it uses (ANI-2x on a CHNOS protein: 103 MB, the model's own
-parameters being 55 MB). The cache is dropped by ``.to()``/``.double()``, ``load_state_dict``,
-``set_active_members`` and :meth:`FusedEnsemble.clear_cache` (call it after
+parameters being 55 MB). The cache is dropped by ``.to()``/``.double()``,
+``load_state_dict``, ``set_active_members`` and :meth:`FusedEnsemble.clear_cache` (call it after
 editing weights in place), and rebuilt when the parameters' dtype or device no
 longer match it.
 

@@ -7,6 +7,7 @@
 // bits for any number of threads.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -118,8 +119,9 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
   const __m256 cz = lanes.cos_z, sz = lanes.sin_z, zeta = lanes.zeta;
   const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), two = _mm256_set1_ps(2.0f);
   for (int64_t i = begin; i < end; ++i) {
-    if (species[i] < 0) continue;
     float* row = aev + i * k.F;
+    std::fill(row, row + k.F, 0.0f);  // (the output is allocated uninitialised)
+    if (species[i] < 0) continue;
     gather_neighbors(h, i, species, diff, nbrs);
     ang.clear();
     for (const auto& n : nbrs) {
@@ -240,8 +242,9 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
     std::vector<Neighbor<scalar_t>> nbrs, ang;
     std::vector<scalar_t> f1(k.Z), f2(k.A), fc_a;
     for (int64_t i = begin; i < end; ++i) {
-      if (species[i] < 0) continue;
       scalar_t* row = aev + i * k.F;
+      std::fill(row, row + k.F, scalar_t(0));  // (the output is allocated uninitialised)
+      if (species[i] < 0) continue;
       gather_neighbors(h, i, species, diff, nbrs);
       ang.clear();
       for (const auto& n : nbrs) {
@@ -389,7 +392,7 @@ void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tenso
 at::Tensor aev_forward_cpu(const at::Tensor& species, const at::Tensor& pairs,
                            const at::Tensor& diff_vectors, const AEVParams& p) {
   const AevInputs in("torchani_fast::aev", species, pairs, diff_vectors, p);
-  auto aev = at::zeros(aev_shape(species, p), in.diff.options());
+  auto aev = at::empty(aev_shape(species, p), in.diff.options());  // every row written by the kernel
   AT_DISPATCH_FLOATING_TYPES(in.diff.scalar_type(), "aev_forward_cpu", [&] {
     Consts<scalar_t> k(p);
     auto h = in.half_edges<scalar_t>(p.radial_cutoff);

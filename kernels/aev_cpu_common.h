@@ -84,11 +84,17 @@ struct Consts {
   std::vector<scalar_t> eta_r, shf_r, eta_a, zeta, shf_a, cos_z, sin_z;
 
   explicit Consts(const AEVParams& p) {
-    auto vec = [](const at::Tensor& t) {
-      auto c = t.to(at::kDouble).contiguous();
+    auto vec = [](const at::Tensor& t) {  // (no ATen ops: these run on every call)
+      const at::Tensor c = t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
       std::vector<scalar_t> out(c.numel());
-      for (int64_t i = 0; i < c.numel(); ++i)
-        out[i] = static_cast<scalar_t>(c.data_ptr<double>()[i]);
+      if (c.scalar_type() == at::kFloat) {
+        const float* src = c.data_ptr<float>();
+        for (int64_t i = 0; i < c.numel(); ++i) out[i] = static_cast<scalar_t>(src[i]);
+      } else {
+        const at::Tensor d = c.to(at::kDouble);
+        const double* src = d.data_ptr<double>();
+        for (int64_t i = 0; i < c.numel(); ++i) out[i] = static_cast<scalar_t>(src[i]);
+      }
       return out;
     };
     S = p.num_species;

@@ -357,7 +357,15 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
                   scratch);
     }
   });
-  if (input_grad && slices > 1) jac = jac.view({slices, jac_size}).sum(0);
+  if (input_grad && slices > 1) {  // add the slices' partial J into the first, in slice order
+    at::parallel_for(0, jac_size, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t p = 1; p < slices; ++p) {
+        const T* src = jac_ptr + p * jac_size;
+        for (int64_t i = begin; i < end; ++i) jac_ptr[i] += src[i];
+      }
+    });
+    jac = jac.narrow(0, 0, jac_size);
+  }
   return {values, jac};
 }
 

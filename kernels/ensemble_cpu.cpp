@@ -127,6 +127,15 @@ struct Task {
   int64_t group, row0, rows, slice;
 };
 
+// Every entry of a contiguous int64 tensor is in [0, end) (a plain loop: this
+// runs on every call, where min()/max() would be two ATen ops each).
+inline bool in_range(const at::Tensor& idx, int64_t end) {
+  const int64_t* p = idx.data_ptr<int64_t>();
+  for (int64_t i = 0, n = idx.numel(); i < n; ++i)
+    if (p[i] < 0 || p[i] >= end) return false;
+  return true;
+}
+
 // Layer l of member m: out (rows, d_out) = h W_l + b_l.
 template <typename T>
 void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, const T* h, T* out) {
@@ -255,9 +264,8 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
                 "ensemble_mlp: columns[", g, "] must be a contiguous 1-D int64 tensor");
     TORCH_CHECK(nl >= 1, "ensemble_mlp: layers[", g, "] = ", nl, " must be >= 1");
     const int64_t k_cols = cols.size(0);
-    TORCH_CHECK(cols.numel() == 0 ||
-                    (cols.min().item<int64_t>() >= 0 && cols.max().item<int64_t>() < features),
-                "ensemble_mlp: columns[", g, "] must be in [0, ", features, ")");
+    TORCH_CHECK(in_range(cols, features), "ensemble_mlp: columns[", g, "] must be in [0, ",
+                features, ")");
     TORCH_CHECK(w1.dim() == 2 && w1.size(0) == k_cols && w1.size(1) % members == 0 &&
                     w1.scalar_type() == aev.scalar_type() && w1.is_contiguous(),
                 "ensemble_mlp: first[", g, "] must be a contiguous (", k_cols,
@@ -323,10 +331,8 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
   }
   TORCH_CHECK(rows_begin == atoms.numel(), "ensemble_mlp: sizes add up to ", rows_begin,
               " but atoms has ", atoms.numel(), " entries");
-  if (atoms.numel() > 0) {
-    TORCH_CHECK(atoms.min().item<int64_t>() >= 0 && atoms.max().item<int64_t>() < aev.size(0),
-                "ensemble_mlp: atoms must index the ", aev.size(0), " rows of aev");
-  }
+  TORCH_CHECK(in_range(atoms, aev.size(0)), "ensemble_mlp: atoms must index the ", aev.size(0),
+              " rows of aev");
   const int64_t plan_rows = rows_begin;
   at::Tensor values = at::empty({members, plan_rows}, aev.options());
   // Few blocks: split the members into slices too (p-major task order, so a
@@ -429,9 +435,8 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
       const at::Tensor cols = columns[g].contiguous();
       const int64_t* c = cols.data_ptr<int64_t>();
       const int64_t k = cols.numel();
-      TORCH_CHECK(k == 0 || (cols.min().item<int64_t>() >= 0 &&
-                             cols.max().item<int64_t>() < features),
-                  "ensemble_mlp_backward: columns[", g, "] must be in [0, ", features, ")");
+      TORCH_CHECK(in_range(cols, features), "ensemble_mlp_backward: columns[", g,
+                  "] must be in [0, ", features, ")");
       for (int64_t r = 0; r < sizes[g]; ++r) {
         const int64_t a = at_ptr[row + r];
         TORCH_CHECK(a >= 0 && a < num_atoms, "ensemble_mlp_backward: atoms[", row + r, "] = ", a,

@@ -453,3 +453,17 @@ def test_unsupported_networks_are_reported():
     _, fast = model_pair("ANI1x", torch.float32)
     nn = fast.potentials["nnp"].neural_networks
     assert fuse_networks(nn) is nn and nn.to_infer_model() is nn
+
+
+def test_unpickling_a_module_from_an_older_version():
+    # A FusedEnsemble pickled before `native_cpu` existed still loads and runs.
+    ref, fast = model_pair("ANI2x", torch.float64)
+    nets = fast.potentials["nnp"].neural_networks
+    state = nets.__getstate__()
+    del state["native_cpu"]
+    old = type(nets).__new__(type(nets))
+    old.__setstate__(state)
+    fast.potentials["nnp"].neural_networks = old
+    species, coords = padded_batch(BATCHES["ANI2x"], torch.float64)
+    assert_energies(fast((species, coords)).energies, ref((species, coords)).energies, torch.float64)
+    assert old.native_cpu

@@ -645,6 +645,11 @@ class _FusedBase(AtomicContainer):
         state["_jit_cache"] = {}
         return state
 
+    def __setstate__(self, state):
+        # Modules pickled by an older torchani_fast get the attributes added since.
+        state.setdefault("native_cpu", True)
+        super().__setstate__(state)
+
     def extra_repr(self) -> str:
         skip = "by element" if self.radial_sublen else "off"
         return (

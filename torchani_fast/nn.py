@@ -282,7 +282,9 @@ class _FusedBase(AtomicContainer):
         return out.index_copy(1, atoms, torch.cat(outs, 1))
 
     def _recompute(self, aev: Tensor, group_elem: tp.List[int], group_size: tp.List[int], k: int) -> bool:
-        """Whether to keep only the AEV for backward (eager, large inputs, see the module doc)."""
+        """Whether ``_eager_recompute`` evaluates the groups: always for the C++ op
+        (eager, CPU, ``native_cpu``), else for large inputs whose activations
+        would exceed the budget (see the module doc)."""
         if torch.jit.is_scripting():
             return False
         if aev.device.type == "cpu" and self.native_cpu:
@@ -300,6 +302,8 @@ class _FusedBase(AtomicContainer):
         self, aev: Tensor, atoms: Tensor, hidden: tp.List[Tensor], act: tp.List[int],
         group_elem: tp.List[int], group_mask: tp.List[int], group_size: tp.List[int],
     ) -> Tensor:
+        """Values (k, atoms) of the groups keeping no activations: the C++ op on the
+        CPU (forward only without grad), else ``_Recompute`` in PyTorch."""
         plan = []
         columns, first, packs, layers, panels = [], [], [], [], []
         native = aev.device.type == "cpu" and self.native_cpu

@@ -107,7 +107,7 @@ void celu_inplace(double* z, double* d, int64_t count) {
 
 template <typename T>
 struct GroupNet {
-  int64_t rows_begin;   // first row of the group in the plan (atoms, values)
+  int64_t rows_begin;   // first entry of the group in atoms
   int64_t rows;         // atoms in the group
   int64_t jac_offset;   // first element of its J in the flat output
   const int64_t* cols;  // used AEV columns (K)
@@ -133,6 +133,18 @@ inline bool in_range(const at::Tensor& idx, int64_t end) {
   const int64_t* p = idx.data_ptr<int64_t>();
   for (int64_t i = 0, n = idx.numel(); i < n; ++i)
     if (p[i] < 0 || p[i] >= end) return false;
+  return true;
+}
+
+// in_range, and no entry repeats (each atom's values are written once).
+inline bool distinct_in_range(const at::Tensor& idx, int64_t end) {
+  if (!in_range(idx, end)) return false;
+  std::vector<char> seen(static_cast<size_t>(end), 0);
+  const int64_t* p = idx.data_ptr<int64_t>();
+  for (int64_t i = 0, n = idx.numel(); i < n; ++i) {
+    if (seen[p[i]]) return false;
+    seen[p[i]] = 1;
+  }
   return true;
 }
 
@@ -172,7 +184,7 @@ void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, 
 
 template <typename T>
 void run_task(const GroupNet<T>& net, const Task& task, int64_t member_begin, int64_t member_end,
-              const T* aev, int64_t features, const int64_t* atoms, int64_t plan_rows,
+              const T* aev, int64_t features, const int64_t* atoms, int64_t num_atoms,
               T* values, T* jac, bool input_grad, std::vector<T>& scratch) {
   const int64_t rows = task.rows, in_dim = net.in_dim(), layers = net.layers();
   const int64_t last = layers - 1;
@@ -206,8 +218,9 @@ void run_task(const GroupNet<T>& net, const Task& task, int64_t member_begin, in
       if (l < last) celu_inplace(a[l], d[l], rows * net.dims[l + 1]);
       h = a[l];
     }
-    T* out = values + m * plan_rows + net.rows_begin + task.row0;
-    for (int64_t r = 0; r < rows; ++r) out[r] = h[r];
+    T* out = values + m * num_atoms;
+    const int64_t* task_atoms = atoms + net.rows_begin + task.row0;
+    for (int64_t r = 0; r < rows; ++r) out[task_atoms[r]] = h[r];
     if (!input_grad) continue;
     const bool accumulate = m != member_begin;  // J of this slice of members
     const T* w_last = net.weight[last] + m * net.stride[last];  // (d_last, 1)
@@ -331,10 +344,11 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
   }
   TORCH_CHECK(rows_begin == atoms.numel(), "ensemble_mlp: sizes add up to ", rows_begin,
               " but atoms has ", atoms.numel(), " entries");
-  TORCH_CHECK(in_range(atoms, aev.size(0)), "ensemble_mlp: atoms must index the ", aev.size(0),
-              " rows of aev");
-  const int64_t plan_rows = rows_begin;
-  at::Tensor values = at::empty({members, plan_rows}, aev.options());
+  const int64_t num_atoms = aev.size(0);
+  TORCH_CHECK(distinct_in_range(atoms, num_atoms), "ensemble_mlp: atoms must be distinct rows of aev (in [0, ",
+              num_atoms, "))");
+  // Each atom's values land in its own column; atoms not in any group get 0.
+  at::Tensor values = at::zeros({members, num_atoms}, aev.options());
   // Few blocks: split the members into slices too (p-major task order, so a
   // thread gets whole slices of the members for every group); each slice
   // writes its own partial J, added in slice order. The split depends on the
@@ -358,7 +372,7 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = tasks[t];
       const int64_t m0 = members * task.slice / slices, m1 = members * (task.slice + 1) / slices;
-      run_task<T>(nets[task.group], task, m0, m1, aev_ptr, features, atom_ptr, plan_rows,
+      run_task<T>(nets[task.group], task, m0, m1, aev_ptr, features, atom_ptr, num_atoms,
                   value_ptr, input_grad ? jac_ptr + task.slice * jac_size : nullptr, input_grad,
                   scratch);
     }
@@ -402,34 +416,41 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
 
 at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,
                                      at::IntArrayRef sizes, at::TensorList columns,
-                                     const at::Tensor& jacobian, int64_t num_atoms,
-                                     int64_t features) {
-  TORCH_CHECK(grad_values.dim() == 2 && grad_values.size(1) == atoms.numel(),
-              "ensemble_mlp_backward: grad_values must be (members, ", atoms.numel(),
-              "), got ", grad_values.sizes());
+                                     const at::Tensor& jacobian, int64_t features) {
+  TORCH_CHECK(grad_values.dim() == 2,
+              "ensemble_mlp_backward: grad_values must be (members, atoms), got ", grad_values.sizes());
   TORCH_CHECK(grad_values.scalar_type() == jacobian.scalar_type(),
               "ensemble_mlp_backward: grad_values and jacobian differ in dtype");
   TORCH_CHECK(atoms.dim() == 1 && atoms.scalar_type() == at::kLong && columns.size() == sizes.size(),
               "ensemble_mlp_backward: atoms must be 1-D int64 and columns have one entry per group");
-  int64_t expected = 0;
-  for (size_t g = 0; g < sizes.size(); ++g) expected += sizes[g] * columns[g].numel();
+  int64_t expected = 0, rows = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    expected += sizes[g] * columns[g].numel();
+    rows += sizes[g];
+  }
+  TORCH_CHECK(rows == atoms.numel(), "ensemble_mlp_backward: sizes add up to ", rows,
+              " but atoms has ", atoms.numel(), " entries");
   TORCH_CHECK(jacobian.dim() == 1 && jacobian.numel() == expected && jacobian.is_contiguous(),
               "ensemble_mlp_backward: jacobian must be flat with ", expected, " entries");
+  const int64_t num_atoms = grad_values.size(1);
   const at::Tensor grad = grad_values.contiguous();
   const at::Tensor idx = atoms.contiguous();
+  TORCH_CHECK(distinct_in_range(idx, num_atoms), "ensemble_mlp_backward: atoms must be distinct "
+              "columns of grad_values (in [0, ", num_atoms, "))");
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "ensemble_mlp_backward", [&] {
-    const int64_t n = grad.size(1);
     const scalar_t* gv = grad.data_ptr<scalar_t>();
+    const int64_t* at_ptr = idx.data_ptr<int64_t>();
+    const int64_t n = idx.numel();
     for (int64_t m = 1; m < grad.size(0); ++m) {
       for (int64_t i = 0; i < n; ++i) {
-        if (!(gv[m * n + i] == gv[i])) return;  // members differ: out stays undefined
+        const int64_t a = at_ptr[i];
+        if (!(gv[m * num_atoms + a] == gv[a])) return;  // members differ: out stays undefined
       }
     }
     out = at::zeros({num_atoms, features}, grad.options());
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* jac = jacobian.data_ptr<scalar_t>();
-    const int64_t* at_ptr = idx.data_ptr<int64_t>();
     int64_t row = 0, off = 0;
     for (size_t g = 0; g < sizes.size(); ++g) {
       const at::Tensor cols = columns[g].contiguous();
@@ -437,17 +458,13 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
       const int64_t k = cols.numel();
       TORCH_CHECK(in_range(cols, features), "ensemble_mlp_backward: columns[", g,
                   "] must be in [0, ", features, ")");
-      for (int64_t r = 0; r < sizes[g]; ++r) {
-        const int64_t a = at_ptr[row + r];
-        TORCH_CHECK(a >= 0 && a < num_atoms, "ensemble_mlp_backward: atoms[", row + r, "] = ", a,
-                    " is not in [0, ", num_atoms, ")");
-      }
-      // Rows of one group go to distinct atoms: no two threads write one row.
+      // Atoms are distinct: no two threads write one row.
       at::parallel_for(0, sizes[g], 64, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-          const scalar_t s = gv[row + r];
+          const int64_t a = at_ptr[row + r];
+          const scalar_t s = gv[a];
           const scalar_t* j = jac + off + r * k;
-          scalar_t* dst = o + at_ptr[row + r] * features;
+          scalar_t* dst = o + a * features;
           for (int64_t q = 0; q < k; ++q) dst[c[q]] = s * j[q];
         }
       });

@@ -207,7 +207,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
 // b_l (members, 1, d_out) of the later layers (CELU(0.1) between layers, one
 // output). `panels` is empty or, float32, per group and hidden layer l, W_l as
 // (members, d_out/16, d_in, 16) and W_l^T as (members, d_in/16, d_out, 16)
-// (small_gemm.h; used on AVX2 CPUs, ignored elsewhere). Returns values (members, atoms.numel()) and, if input_grad, the
+// (small_gemm.h; used on AVX2 CPUs, ignored elsewhere). `atoms` must be distinct.
+// Returns values (members, aev.size(0)): each atom's output in its own column,
+// 0 for rows of aev in no group (padding); and, if input_grad, the
 // flat concatenation over groups of J_g = d(sum over members)/d(used columns),
 // (sizes[g], K_g) each; otherwise an empty tensor. Not differentiable itself.
 std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
@@ -215,14 +217,13 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
     at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
     at::IntArrayRef layers, int64_t members, bool input_grad);
 
-// The AEV gradient (num_atoms, features) of ensemble_mlp's values when every
-// member's row of grad_values (members, atoms.numel()) is the same (an
+// The AEV gradient (atoms, features) of ensemble_mlp's values when every
+// member's row of grad_values (members, atoms) is the same at `atoms` (an
 // ensemble mean): grad_values[0] * J scattered to the atoms and columns of
 // each group. If the rows differ, an empty 1-D tensor (the caller recomputes).
 at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,
                                      at::IntArrayRef sizes, at::TensorList columns,
-                                     const at::Tensor& jacobian, int64_t num_atoms,
-                                     int64_t features);
+                                     const at::Tensor& jacobian, int64_t features);
 
 // Argument checks shared by every backend (names the argument and the value).
 void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tensor& pairs,

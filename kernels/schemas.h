@@ -31,7 +31,7 @@ constexpr const char* kEnsembleMlp =
     "Tensor jacobian)";
 constexpr const char* kEnsembleMlpBackward =
     "ensemble_mlp_backward(Tensor grad_values, Tensor atoms, int[] sizes, Tensor[] columns, "
-    "Tensor jacobian, int num_atoms, int features) -> Tensor";
+    "Tensor jacobian, int features) -> Tensor";
 
 }  // namespace torchani_fast::schema
 

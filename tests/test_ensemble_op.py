@@ -49,6 +49,7 @@ def panels_of(first, packs, layers, members):
 
 
 def reference(aev, atoms, sizes, columns, mlps):
+    """Values (members, rows of aev): each atom's in its own column, 0 elsewhere; J flat."""
     values, jacobians = [], []
     for atoms_g, cols, (ws, bs) in zip(atoms.split(sizes), columns, mlps):
         x = aev[atoms_g][:, cols].clone().requires_grad_(True)
@@ -64,7 +65,9 @@ def reference(aev, atoms, sizes, columns, mlps):
         (j,) = torch.autograd.grad(out.sum(), x)
         values.append(out.detach())
         jacobians.append(j.flatten())
-    return torch.cat(values, 1), torch.cat(jacobians)
+    out = aev.new_zeros((values[0].shape[0], aev.shape[0]))
+    out[:, atoms] = torch.cat(values, 1)
+    return out, torch.cat(jacobians)
 
 
 CASES = {
@@ -129,7 +132,8 @@ def test_bad_arguments_are_named():
     bad_cols = [c.clone() for c in columns]
     bad_cols[1][-1] = aev.shape[1]
     for change, message in [
-        (dict(atoms=bad_atoms), "atoms must index"),
+        (dict(atoms=bad_atoms), "atoms must be distinct rows"),
+        (dict(atoms=torch.cat([atoms[:1], atoms[:-1]])), "atoms must be distinct rows"),
         (dict(columns=bad_cols), r"columns\[1\] must be in"),
         (dict(sizes=[sizes[0] + 1] + sizes[1:]), "sizes add up to"),
         (dict(first=[first[0].double()] + first[1:]), r"first\[0\]"),
@@ -159,21 +163,19 @@ def test_backward_of_an_ensemble_mean():
     widths, cols, sizes = CASES["ani-like"]
     aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float64, 3, widths, cols, sizes)
     values, jac = op(aev, atoms, sizes, columns, first, packs, [], layers, 3, True)
-    weights = torch.rand(atoms.shape[0], dtype=torch.float64)
+    weights = torch.rand(aev.shape[0], dtype=torch.float64)  # per row of aev
     _, j_ref = reference(aev, atoms, sizes, columns, mlps)  # d(sum of members)/d(used columns)
     expected = torch.zeros_like(aev)
-    start = 0
     for atoms_g, cols, j in zip(atoms.split(sizes), columns, j_ref.split([n * c.numel() for n, c in zip(sizes, columns)])):
-        w = weights[start:start + atoms_g.numel()]
+        w = weights[atoms_g]
         expected[atoms_g.unsqueeze(1), cols.unsqueeze(0)] = w.unsqueeze(1) * j.view(atoms_g.numel(), -1)
-        start += atoms_g.numel()
-    grad = torch.ops.torchani_fast.ensemble_mlp_backward(weights.expand(3, -1), atoms, sizes, columns, jac,
-                                                         aev.shape[0], aev.shape[1])
-    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
     differing = weights.expand(3, -1).clone()
-    differing[2, 5] += 1
-    empty = torch.ops.torchani_fast.ensemble_mlp_backward(differing, atoms, sizes, columns, jac,
-                                                          aev.shape[0], aev.shape[1])
+    padding = [i for i in range(aev.shape[0]) if i not in set(atoms.tolist())]
+    differing[1, padding] += 1  # rows of atoms in no group are not read
+    grad = torch.ops.torchani_fast.ensemble_mlp_backward(differing, atoms, sizes, columns, jac, aev.shape[1])
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
+    differing[2, atoms[5]] += 1
+    empty = torch.ops.torchani_fast.ensemble_mlp_backward(differing, atoms, sizes, columns, jac, aev.shape[1])
     assert empty.shape == (0,)
 
 
@@ -185,5 +187,7 @@ def test_nan_input_gives_nan(dtype):
     panels = panels_of(first, packs, layers, 2) if dtype == torch.float32 else []
     aev[atoms[3], columns[0]] = float("nan")
     values, jac = op(aev, atoms, sizes, columns, first, packs, panels, layers, 2, True)
-    assert torch.isnan(values[:, 3]).all()
-    assert torch.isfinite(values[:, :3]).all() and torch.isfinite(values[:, 4:]).all()
+    assert torch.isnan(values[:, atoms[3]]).all()
+    others = torch.ones(aev.shape[0], dtype=torch.bool)
+    others[atoms[3]] = False
+    assert torch.isfinite(values[:, others]).all()

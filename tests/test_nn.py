@@ -240,6 +240,21 @@ def test_weight_gradients_and_training_step():
     assert_energies(fast((species, coords)).energies, ref((species, coords)).energies, torch.float64)
 
 
+def test_frozen_call_after_training_sees_the_new_weights():
+    # Cached packs from before training must not survive an optimizer step.
+    ref, fast = model_pair("ANI1x", torch.float64)
+    species, coords = padded_batch(BATCHES["ANI1x"], torch.float64)
+    for model in (ref, fast):
+        model((species, coords))  # fills the cache of the frozen model
+        model.requires_grad_(True)
+        model((species, coords)).energies.sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 1e-3 * p.grad
+        model.requires_grad_(False)
+    assert_energies(fast((species, coords)).energies, ref((species, coords)).energies, torch.float64)
+
+
 def test_hessian_matches_torchani():
     # Second derivatives through the fused networks (double backward of addmm,
     # baddbmm, CELU and the gathers).

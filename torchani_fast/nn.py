@@ -43,8 +43,14 @@ editing weights in place), and rebuilt when the parameters' dtype or device no
 longer match it.
 
 **Training.** While any parameter requires grad the weights are packed on every
-call with differentiable ops and nothing is cached, so weight gradients are
-exact and an optimizer step is seen by the next call.
+call with differentiable ops and nothing is cached (what was cached before is
+dropped), so weight gradients are exact and an optimizer step is seen by the
+next call, also once the parameters are frozen again.
+
+**Per-call cost (eager CPU).** The op's arguments for a set of members and
+groups are kept in a small dict next to the cache, so a call with a
+composition seen before does no packing or list building in Python; the op
+writes each atom's values in its own column (no scatter afterwards).
 
 **Backward passes.** The usual backward (energies, atomic energies or forces of
 an ensemble mean: the same incoming gradient for every member) is ``grad * J``.
@@ -86,7 +92,7 @@ class _FusedBase(AtomicContainer):
     Not built directly: use :func:`fuse_networks` or ``FusedEnsemble.from_torchani``.
     """
 
-    __jit_ignored_attributes__ = ["_eager_cache"]
+    __jit_ignored_attributes__ = ["_eager_cache", "_native_plans"]
 
     is_ensemble: Final[bool]
     max_first_layer_packs: int
@@ -143,6 +149,7 @@ class _FusedBase(AtomicContainer):
         self.register_buffer("_probe", torch.zeros(0, dtype=w.dtype, device=w.device), persistent=False)
         self._jit_cache = {}
         self._eager_cache = {}  # the cache of the eager module (invisible to TorchScript)
+        self._native_plans = {}  # eager CPU: the op's arguments per (members, groups), see _native_plan
 
     # -- TorchANI AtomicContainer interface -----------------------------------------
 
@@ -253,19 +260,26 @@ class _FusedBase(AtomicContainer):
         """``_member_atomic`` once the groups are known: no host synchronisation."""
         act = self._evaluated_members()
         k = len(act)
+        if not torch.jit.is_scripting() and aev.device.type == "cpu" and self.native_cpu:
+            native = self._native_values(aev, atoms, act, group_elem, group_mask, group_size)
+            if native is not None:
+                return native
         ws: tp.List[tp.List[tp.List[Tensor]]] = []
         training = self._needs_weight_grad()
         if training:
             # Differentiable packing on every call, nothing cached: exact weight
-            # gradients, and an optimizer step is seen by the next call.
+            # gradients, and an optimizer step is seen by the next call. Packs
+            # cached before training began would be stale once it ends: dropped.
+            self._cache().clear()
+            if not torch.jit.is_scripting():
+                self._eager_plans_clear()
             ws = self._member_weights()
             hidden = self._pack_hidden(ws, act)
         else:
             hidden = self._cached_hidden(act)
-        out = aev.new_zeros((k, num_atoms))
         if not training and self._recompute(aev, group_elem, group_size, k):
-            values = self._eager_recompute(aev, atoms, hidden, act, group_elem, group_mask, group_size)
-            return out.index_copy(1, atoms, values)
+            return self._eager_recompute(aev, atoms, hidden, act, group_elem, group_mask, group_size)
+        out = aev.new_zeros((k, num_atoms))
         xs = aev.index_select(0, atoms).split(group_size)
         outs: tp.List[Tensor] = []
         for g in range(len(group_size)):
@@ -282,13 +296,10 @@ class _FusedBase(AtomicContainer):
         return out.index_copy(1, atoms, torch.cat(outs, 1))
 
     def _recompute(self, aev: Tensor, group_elem: tp.List[int], group_size: tp.List[int], k: int) -> bool:
-        """Whether ``_eager_recompute`` evaluates the groups: always for the C++ op
-        (eager, CPU, ``native_cpu``), else for large inputs whose activations
-        would exceed the budget (see the module doc)."""
+        """Whether ``_eager_recompute`` evaluates the groups: large inputs with
+        gradient, whose activations would exceed the budget (see the module doc)."""
         if torch.jit.is_scripting():
             return False
-        if aev.device.type == "cpu" and self.native_cpu:
-            return True  # the fused C++ op, with or without gradient
         if not (aev.requires_grad and torch.is_grad_enabled()):
             return False
         saved = 0
@@ -302,34 +313,73 @@ class _FusedBase(AtomicContainer):
         self, aev: Tensor, atoms: Tensor, hidden: tp.List[Tensor], act: tp.List[int],
         group_elem: tp.List[int], group_mask: tp.List[int], group_size: tp.List[int],
     ) -> Tensor:
-        """Values (k, atoms) of the groups keeping no activations: the C++ op on the
-        CPU (forward only without grad), else ``_Recompute`` in PyTorch."""
+        """Values (k, atoms) of the groups by ``_Recompute`` in PyTorch, keeping no activations."""
         plan = []
-        columns, first, packs, layers, panels = [], [], [], [], []
-        native = aev.device.type == "cpu" and self.native_cpu
-        use_panels = native and aev.dtype == torch.float32
-        for g, atoms_g in enumerate(atoms.split(group_size)):
+        for g in range(len(group_size)):
             e = group_elem[g]
-            cached = self._cached_first(act, e, group_mask[g])
-            cols, w1 = cached[0], cached[1]
+            cols, w1 = self._cached_first(act, e, group_mask[g])[:2]
+            o = self.offsets[e]
+            plan.append((None if cols.shape[0] == aev.shape[1] else cols, w1,
+                         hidden[o:o + 2 * self.num_layers[e] - 1]))
+        return _Recompute.apply(aev, atoms, group_size, plan, len(act), self.small_group_atoms, None)
+
+    @torch.jit.unused
+    def _native_values(
+        self, aev: Tensor, atoms: Tensor, act: tp.List[int], group_elem: tp.List[int],
+        group_mask: tp.List[int], group_size: tp.List[int],
+    ) -> tp.Optional[Tensor]:
+        """Values (k, atoms) from the C++ op ``ensemble_mlp``, or None while a
+        parameter it would use requires grad: training takes the PyTorch path,
+        which packs on every call (an optimizer step changes the weights in place,
+        unseen by the cache), with or without grad mode."""
+        plan = self._native_plan(act, group_elem, group_mask, aev.shape[1])
+        if plan is None:
+            return None
+        args = (atoms, group_size) + plan.op_args
+        if torch.is_grad_enabled() and aev.requires_grad:
+            return _Recompute.apply(aev, atoms, group_size, plan.groups, len(act), self.small_group_atoms, args)
+        return torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), *args, len(act), False)[0]
+
+    @torch.jit.unused
+    def _native_plan(self, act: tp.List[int], group_elem: tp.List[int], group_mask: tp.List[int],
+                     features: int) -> tp.Optional["_NativePlan"]:
+        """The op's weight arguments for these members and groups, cached (a call
+        with a composition seen before costs one dict lookup here), or None
+        while one of the parameters they come from requires grad."""
+        key = (_bitmask(act), tuple(group_elem), tuple(group_mask))
+        plan = self._native_plans.get(key)
+        if plan is not None and not self._stale(plan.op_args[1][0]):
+            params = plan.params
+        else:
+            plan = None
+            per_member = self._member_weights()
+            params = [p for j in act for e in set(group_elem) for p in per_member[j][e]]
+        if any(map(_REQUIRES_GRAD, params)):
+            return None  # nothing built or cached: the weights may change in place
+        if plan is not None:
+            return plan
+        hidden = self._cached_hidden(act)
+        columns, first, packs, layers, panels, groups = [], [], [], [], [], []
+        use_panels = self._probe.dtype == torch.float32
+        for e, mask in zip(group_elem, group_mask):
+            cached = self._cached_first(act, e, mask)
             o = self.offsets[e]
             hidden_e = hidden[o:o + 2 * self.num_layers[e] - 1]
-            plan.append((atoms_g, None if cols.shape[0] == aev.shape[1] else cols, w1, hidden_e))
-            columns.append(cols)
-            first.append(w1)
+            columns.append(cached[0])
+            first.append(cached[1])
             packs.extend(hidden_e)
             layers.append(self.num_layers[e])
+            groups.append((None if cached[0].shape[0] == features else cached[0], cached[1], hidden_e))
             if use_panels:
                 group_panels = self._panels(act, e, cached, hidden_e)
                 use_panels = group_panels is not None
                 if use_panels:
                     panels.extend(group_panels)
-        if not native:
-            return _Recompute.apply(aev, plan, len(act), self.small_group_atoms, None)
-        args = (atoms, group_size, columns, first, packs, panels if use_panels else [], layers)
-        if aev.requires_grad and torch.is_grad_enabled():
-            return _Recompute.apply(aev, plan, len(act), self.small_group_atoms, args)
-        return torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), *args, len(act), False)[0]
+        plan = _NativePlan((columns, first, packs, panels if use_panels else [], layers), groups, params)
+        if len(self._native_plans) >= self.max_first_layer_packs:
+            self._native_plans.pop(next(iter(self._native_plans)))  # the oldest
+        self._native_plans[key] = plan
+        return plan
 
     @torch.jit.unused
     def _panels(self, act: tp.List[int], elem: int, first: tp.List[Tensor], hidden_e: tp.List[Tensor]):
@@ -504,6 +554,8 @@ class _FusedBase(AtomicContainer):
                         oldest = k
                         break
                 cache.pop(oldest)
+                if not torch.jit.is_scripting():
+                    self._eager_plans_clear()  # they may hold the dropped pack
             first = self._build(act, elem, mask)
             cache[key] = first
         return first
@@ -595,7 +647,12 @@ class _FusedBase(AtomicContainer):
     @torch.jit.unused
     def _eager_clear(self) -> None:
         self._eager_cache = {}
+        self._native_plans = {}
         self._refresh_params()
+
+    @torch.jit.unused
+    def _eager_plans_clear(self) -> None:
+        self._native_plans = {}
 
     @torch.jit.unused
     def _refresh_params(self) -> None:
@@ -646,12 +703,14 @@ class _FusedBase(AtomicContainer):
         # Pickling and deepcopy carry the parameters, not the derived packs.
         state = self.__dict__.copy()
         state["_eager_cache"] = {}
+        state["_native_plans"] = {}
         state["_jit_cache"] = {}
         return state
 
     def __setstate__(self, state):
         # Modules pickled by an older torchani_fast get the attributes added since.
         state.setdefault("native_cpu", True)
+        state.setdefault("_native_plans", {})
         super().__setstate__(state)
 
     def extra_repr(self) -> str:
@@ -805,25 +864,38 @@ def _mlp_input_grad(
     return g.transpose(0, 1).reshape(n, -1).mm(w1.t())
 
 
+class _NativePlan(tp.NamedTuple):
+    """What ``ensemble_mlp`` needs besides the AEV and atoms, for one set of
+    members and groups (``_FusedBase._native_plan``)."""
+
+    op_args: tp.Tuple  # (columns, first, packs, panels, layers), as in the op's schema
+    groups: tp.List  # per group (AEV columns or None for all, layer-1 weights, other packs)
+    params: tp.List[Tensor]  # the parameters these packs come from (requires_grad check)
+
+
 class _Recompute(torch.autograd.Function):
-    """Atomic energies of all groups without keeping the activations for backward.
+    """Atomic energies (k, atoms) of all groups without keeping the activations for backward.
 
-    ``plan``: per group (atom indices, AEV columns or None for all, layer-1
-    weights (K, k*d1), the other packs). Output (k, atoms in plan order). The
-    weights are constants here (the path is only taken when they need no grad).
+    ``atoms`` (grouped, runs of ``sizes``) are the evaluated rows of ``aev``;
+    ``plan`` holds per group (AEV columns or None for all, layer-1 weights
+    (K, k*d1), the other packs). The weights are constants here (the path is
+    only taken when they need no grad).
 
-    On the CPU the forward pass (the C++ op ensemble_mlp) also stores, per atom,
-    the derivative of the sum over members, J = d(sum_k out_k)/dx (the used AEV
-    columns only: about 10% of the activations' size). When the incoming
-    gradient is the same for every member, which is the case of energies,
-    atomic energies and forces of an ensemble mean, the backward is
-    ``grad * J`` (ensemble_mlp_backward). Otherwise (per-member values, QBC,
-    create_graph=True, or other devices) the backward recomputes the
-    activations a chunk at a time.
+    With ``native`` (the CPU op's arguments) the forward pass is the C++ op
+    ensemble_mlp, which also returns, per atom, the derivative of the sum over
+    members, J = d(sum_k out_k)/dx (the used AEV columns only: about 10% of
+    the activations' size). When the incoming gradient is the same for every
+    member, which is the case of energies, atomic energies and forces of an
+    ensemble mean, the backward is ``grad * J`` (ensemble_mlp_backward).
+    Otherwise (per-member values, QBC, create_graph=True, or without
+    ``native``) the backward recomputes the activations a chunk at a time.
     """
 
     @staticmethod
-    def forward(ctx, aev: Tensor, plan, k: int, small: int, native) -> Tensor:
+    def forward(ctx, aev: Tensor, atoms: Tensor, sizes: tp.List[int], plan, k: int, small: int,
+                native) -> Tensor:
+        ctx.atoms = atoms
+        ctx.sizes = sizes
         ctx.plan = plan
         ctx.k = k
         ctx.small = small
@@ -831,13 +903,13 @@ class _Recompute(torch.autograd.Function):
         ctx.native = None
         if native is not None:  # CPU: the C++ op, values and J in one pass
             values, jac = torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), *native, k, True)
-            ctx.native = (native[0], native[1], native[2], jac)  # atoms, sizes, columns, J
+            ctx.native = (native[2], jac)  # columns, J
             return values
         outs = []
-        for atoms, cols, w1, packs in plan:
-            for chunk in atoms.split(RECOMPUTE_CHUNK_ATOMS):
+        for atoms_g, (cols, w1, packs) in zip(atoms.split(sizes), plan):
+            for chunk in atoms_g.split(RECOMPUTE_CHUNK_ATOMS):
                 outs.append(_mlp_values(_gather(aev, chunk, cols), w1, packs, k, small)[0])
-        return torch.cat(outs, 1)
+        return aev.new_zeros((k, aev.shape[0])).index_copy_(1, atoms, torch.cat(outs, 1))
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -848,20 +920,18 @@ class _Recompute(torch.autograd.Function):
         native, ctx.native = ctx.native, None
         if native is not None and not differentiable:
             # grad_out[0] * J when every member has the same incoming gradient.
-            grad = torch.ops.torchani_fast.ensemble_mlp_backward(grad_out, *native, aev.shape[0], aev.shape[1])
+            grad = torch.ops.torchani_fast.ensemble_mlp_backward(
+                grad_out, ctx.atoms, ctx.sizes, native[0], native[1], aev.shape[1])
             if grad.dim() == 2:
-                return grad, None, None, None, None
+                return grad, None, None, None, None, None, None
         grad = aev.new_zeros(aev.shape)
-        start = 0
-        for atoms, cols, w1, packs in ctx.plan:
-            for chunk in atoms.split(RECOMPUTE_CHUNK_ATOMS):
-                n = chunk.shape[0]
+        for atoms_g, (cols, w1, packs) in zip(ctx.atoms.split(ctx.sizes), ctx.plan):
+            for chunk in atoms_g.split(RECOMPUTE_CHUNK_ATOMS):
                 pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, ctx.k, ctx.small)[1]
-                gx = _mlp_input_grad(grad_out.narrow(1, start, n), w1, packs, pre, ctx.k, ctx.small)
+                gx = _mlp_input_grad(grad_out.index_select(1, chunk), w1, packs, pre, ctx.k, ctx.small)
                 index = (chunk,) if cols is None else (chunk.unsqueeze(1), cols.unsqueeze(0))
                 grad = grad.index_put(index, gx) if differentiable else grad.index_put_(index, gx)
-                start += n
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def aev_columns(present: tp.List[bool], r: int, w: int, triu: tp.List[tp.List[int]]) -> tp.List[int]:

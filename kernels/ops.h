@@ -225,6 +225,16 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
                                      at::IntArrayRef sizes, at::TensorList columns,
                                      const at::Tensor& jacobian, int64_t features);
 
+// Input validation in one pass (validate_cpu.cpp; torchani_fast/validation.py
+// words the errors). first_invalid_atom: the flat index of the first atom with
+// species < -1, or species >= 0 and a non-finite coordinate; -1 if none.
+// convert_species: conv[atomic_nums] (TorchANI's SpeciesConverter table, -1
+// reading its last entry) and the flat index of the first atomic number that
+// is out of the table or unsupported (-1 if none; the output is then unset).
+int64_t first_invalid_atom_cpu(const at::Tensor& species, const at::Tensor& coords);
+std::tuple<at::Tensor, int64_t> convert_species_cpu(const at::Tensor& atomic_nums,
+                                                    const at::Tensor& conv);
+
 // Argument checks shared by every backend (names the argument and the value).
 void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tensor& pairs,
                       const at::Tensor& diff_vectors, const AEVParams& p);

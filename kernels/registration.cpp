@@ -12,7 +12,7 @@ TORCH_LIBRARY(torchani_fast, m) {
   using namespace torchani_fast::schema;
   for (const char* schema : {kNeighborPairs, kNeighborPairsPadded, kAev, kAevBackward, kAevJvp,
                              kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
-                             kEnsembleMlpBackward}) {
+                             kEnsembleMlpBackward, kFirstInvalidAtom, kConvertSpecies}) {
     m.def(schema);
   }
 }
@@ -28,6 +28,8 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("aev_local_derivatives", &AevLocalDerivativesOp::flat<&aev_local_derivatives_cpu>);
   m.impl("ensemble_mlp", &ensemble_mlp_cpu);
   m.impl("ensemble_mlp_backward", &ensemble_mlp_backward_cpu);
+  m.impl("first_invalid_atom", &first_invalid_atom_cpu);
+  m.impl("convert_species", &convert_species_cpu);
 }
 
 #ifdef TORCHANI_FAST_CUDA

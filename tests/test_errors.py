@@ -103,3 +103,46 @@ def test_edge_inputs_equal_torchani():
         e, f = energy_forces(fast, s, x)
         torch.testing.assert_close(e, e_ref, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("int_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_one_pass_checks_find_the_first_bad_atom(models, int_dtype):
+    # A valid CPU call is checked by two C++ ops (validate_cpu.cpp) instead of
+    # the element-wise reductions; they must flag the same first atom.
+    _, fast, _ = models
+    conv = fast.species_converter.conv_tensor
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        species = torch.randint(-3, 20, (3, 7), generator=g)
+        if trial % 2:  # mostly valid: H, C, N, O and padding
+            species = torch.tensor([-1, 1, 6, 7, 8])[torch.randint(0, 5, (3, 7), generator=g)]
+            species[trial % 3, trial % 7] = [-2, 10, 300, 1][trial % 4]
+        coords = torch.rand(3, 7, 3, generator=g, dtype=torch.float64)
+        if trial % 3 == 0:
+            coords[trial % 3, (trial // 3) % 7, trial % 3] = [float("nan"), float("inf")][trial % 2]
+        species = species.to(int_dtype)
+        bad = (species < -1) | ((species >= 0) & ~torch.isfinite(coords).all(-1))
+        expected = int(bad.flatten().nonzero()[0, 0]) if bad.any() else -1
+        assert torch.ops.torchani_fast.first_invalid_atom(species, coords) == expected
+        z = species.long()
+        out_of_table = (z < -1) | (z >= conv.shape[0] - 1)
+        elem = conv[z.clamp(-1, conv.shape[0] - 2)]
+        bad = out_of_table | ((elem < 0) & (z >= 0))
+        expected = int(bad.flatten().nonzero()[0, 0]) if bad.any() else -1
+        converted, first_bad = torch.ops.torchani_fast.convert_species(species, conv)
+        assert first_bad == expected
+        if expected < 0:
+            assert torch.equal(converted, elem)
+
+
+def test_padding_may_carry_nan_coordinates():
+    ref, fast = model_pair("ANI2x", torch.float64)
+    species, coords = water(torch.float64)
+    species = torch.cat([species, torch.tensor([[-1]])], 1)
+    coords = torch.cat([coords, torch.zeros(1, 1, 3, dtype=torch.float64)], 1)
+    nan_padding = coords.clone()
+    nan_padding[0, 3] = float("nan")
+    e_ref, f_ref = energy_forces(ref, species, coords)
+    e, f = energy_forces(fast, species, nan_padding)
+    torch.testing.assert_close(e, e_ref, rtol=1e-10, atol=0)
+    torch.testing.assert_close(f[:, :3], f_ref[:, :3], rtol=0, atol=1e-9)

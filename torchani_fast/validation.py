@@ -3,8 +3,11 @@
 TorchANI 2.9 answers a wrong coordinate shape with an empty AssertionError,
 returns an energy for NaN coordinates, and (once scripted) treats an unsupported
 element as padding. A patched model checks every call and raises an error that
-names the argument and the offending value instead. The checks are O(atoms)
-element-wise reductions; on CUDA each reduction is one host synchronisation.
+names the argument and the offending value instead. On the CPU a valid input
+costs two one-pass C++ ops (``first_invalid_atom``, ``convert_species``,
+kernels/validate_cpu.cpp); when they flag an atom, or on other devices, the
+element-wise checks below run and word the error (on CUDA each reduction is
+one host synchronisation).
 
 Choices (documented in the README, "Errors"):
 - a coordinates dtype different from the model's is refused, never converted;
@@ -67,6 +70,8 @@ def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtyp
         raise ValueError("the inputs are on {} but the model is on {}".format(coords.device, device))
     if charge != 0:
         raise ValueError("charge must be 0 (ANI models describe neutral molecules), got {}".format(charge))
+    if coords.device.type == "cpu" and torch.ops.torchani_fast.first_invalid_atom(species, coords.detach()) < 0:
+        return  # one pass in C++ found nothing; the checks below word the error otherwise
     bad = species < -1
     if bool(bad.any()):
         i = _first(bad)
@@ -154,6 +159,11 @@ class SpeciesConverter(_TorchaniSpeciesConverter):
                     "species must be element indices in [-1, {}) for this model (-1 is padding), "
                     "got {} at {}".format(n, int(atomic_nums.reshape(-1)[i]), _where(i, atomic_nums.shape[-1])))
             return atomic_nums
+        if atomic_nums.device.type == "cpu" and conv.dtype == torch.long and (
+                atomic_nums.dtype == torch.long or atomic_nums.dtype == torch.int):
+            elem_idxs, invalid = torch.ops.torchani_fast.convert_species(atomic_nums, conv)
+            if invalid < 0:
+                return elem_idxs  # else the checks below word the error
         bad = (atomic_nums < -1) | (atomic_nums >= conv.shape[0] - 1)
         if bool(bad.any()):
             i = _first(bad)

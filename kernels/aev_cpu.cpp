@@ -21,51 +21,55 @@ using namespace aev_cpu_detail;
 
 namespace {
 
-// The angular cutoff of each angular neighbour, and its derivative if dfc is given.
+// The angular cutoff of each angular neighbour; for the backward (dfc given)
+// also its derivative and 1 / r (0 for r = 0), so that a triple's gradient
+// needs no division.
 template <typename scalar_t>
 inline void angular_cutoffs(const std::vector<Neighbor<scalar_t>>& ang, scalar_t rc,
-                            std::vector<scalar_t>& fc, std::vector<scalar_t>* dfc) {
+                            std::vector<scalar_t>& fc, std::vector<scalar_t>* dfc,
+                            std::vector<scalar_t>* inv_r = nullptr) {
   fc.resize(ang.size());
   for (size_t j = 0; j < ang.size(); ++j) fc[j] = cutoff_cos(ang[j].r, rc);
   if (dfc == nullptr) return;
   dfc->resize(ang.size());
-  for (size_t j = 0; j < ang.size(); ++j) (*dfc)[j] = cutoff_cos_deriv(ang[j].r, rc);
+  inv_r->resize(ang.size());
+  for (size_t j = 0; j < ang.size(); ++j) {
+    (*dfc)[j] = cutoff_cos_deriv(ang[j].r, rc);
+    (*inv_r)[j] = ang[j].r > 0 ? scalar_t(1) / ang[j].r : scalar_t(0);
+  }
 }
 
 // The gradient of one angular triple on its two half edges, from the sums over
 // its AEV block (g = grad_aev): s_val = sum g f, s_dc = sum g df/dc and
-// s_dm = sum g df/d(mean r) without the cutoffs; fc1, fc2 and dfc1, dfc2 are the
-// two neighbours' angular cutoffs and their derivatives.
+// s_dm = sum g df/d(mean r) without the cutoffs; fc1, fc2, dfc1, dfc2 and
+// inv1, inv2 are the two neighbours' angular cutoffs, their derivatives and 1 / r.
 template <typename scalar_t>
 inline void add_triple_grad(const Neighbor<scalar_t>& n1, const Neighbor<scalar_t>& n2,
                             const aev_math::Triple<scalar_t>& t, scalar_t fc1, scalar_t fc2,
-                            scalar_t dfc1, scalar_t dfc2, scalar_t s_val, scalar_t s_dc,
-                            scalar_t s_dm, scalar_t* grad_edge) {
+                            scalar_t dfc1, scalar_t dfc2, scalar_t inv1, scalar_t inv2,
+                            scalar_t s_val, scalar_t s_dc, scalar_t s_dm, scalar_t* grad_edge) {
   const scalar_t fcc = fc1 * fc2;
   // d/d(cos_raw) through c = 0.95 cos_raw; d/dr_i through the mean distance
   // (factor 1/2) and through the cutoff of that neighbour.
   const scalar_t d_cos = scalar_t(0.95) * fcc * s_dc;
   const scalar_t d_r1 = scalar_t(0.5) * fcc * s_dm + s_val * dfc1 * fc2;
   const scalar_t d_r2 = scalar_t(0.5) * fcc * s_dm + s_val * fc1 * dfc2;
+  // g1 = d_cos dq/dv1 + d_r1 v1 / r1 with dq/dv1 = v2 / (r1 r2) - q v1 / r1^2
+  // (q = cos_raw; v2 1e10 once clamped), as coefficients of v1 and v2.
+  scalar_t c12, c1 = d_r1 * inv1, c2 = d_r2 * inv2;
+  if (t.clamped) {
+    c12 = d_cos * scalar_t(1e10);
+  } else {
+    c12 = d_cos * inv1 * inv2;
+    c1 -= d_cos * t.cos_raw * inv1 * inv1;
+    c2 -= d_cos * t.cos_raw * inv2 * inv2;
+  }
   scalar_t* g1 = grad_edge + 3 * n1.edge;
   scalar_t* g2 = grad_edge + 3 * n2.edge;
-  if (t.clamped) {
-    const scalar_t inv = scalar_t(1e10);
-    for (int c = 0; c < 3; ++c) {
-      g1[c] += d_cos * n2.v[c] * inv;
-      g2[c] += d_cos * n1.v[c] * inv;
-    }
-  } else {
-    const scalar_t inv = scalar_t(1) / (n1.r * n2.r);
-    for (int c = 0; c < 3; ++c) {
-      g1[c] += d_cos * (n2.v[c] * inv - t.cos_raw * n1.v[c] / (n1.r * n1.r));
-      g2[c] += d_cos * (n1.v[c] * inv - t.cos_raw * n2.v[c] / (n2.r * n2.r));
-    }
+  for (int c = 0; c < 3; ++c) {
+    g1[c] += c12 * n2.v[c] + c1 * n1.v[c];
+    g2[c] += c12 * n1.v[c] + c2 * n2.v[c];
   }
-  if (n1.r > 0)
-    for (int c = 0; c < 3; ++c) g1[c] += d_r1 * n1.v[c] / n1.r;
-  if (n2.r > 0)
-    for (int c = 0; c < 3; ++c) g2[c] += d_r2 * n2.v[c] / n2.r;
 }
 
 #ifdef TF_SIMD_AVX2
@@ -160,7 +164,7 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
                                  const float* diff, const HalfEdges& h, const Consts<float>& k,
                                  const float* grad_aev, float* grad_edge) {
   std::vector<Neighbor<float>> nbrs, ang;
-  std::vector<float> fc_a, dfc_a;
+  std::vector<float> fc_a, dfc_a, inv_r;
   const AngularLanes lanes(k);
   const __m256 cz = lanes.cos_z, sz = lanes.sin_z, zeta = lanes.zeta;
   const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), two = _mm256_set1_ps(2.0f);
@@ -186,12 +190,12 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
         const __m256 d = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_add_ps(eta, eta), x), fc, dfc);
         acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(g + s), e), d, acc);
       }
-      const float dr = simd::hsum(acc);
+      const float dr_r = simd::hsum(acc) / n.r;
       float* ge = grad_edge + 3 * n.edge;
-      for (int c = 0; c < 3; ++c) ge[c] += dr * n.v[c] / n.r;
+      for (int c = 0; c < 3; ++c) ge[c] += dr_r * n.v[c];
     }
     const size_t na = ang.size();
-    angular_cutoffs(ang, k.rc_a, fc_a, &dfc_a);
+    angular_cutoffs(ang, k.rc_a, fc_a, &dfc_a, &inv_r);
     for (size_t j = 0; j < na; ++j) {
       for (size_t l = j + 1; l < na; ++l) {
         const auto& n1 = ang[j];
@@ -216,7 +220,7 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
           g2 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f2, lanes.spread[v]), gv, g2);
           gd2 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(df2, lanes.spread[v]), gv, gd2);
         }
-        add_triple_grad(n1, n2, t, fc_a[j], fc_a[l], dfc_a[j], dfc_a[l],
+        add_triple_grad(n1, n2, t, fc_a[j], fc_a[l], dfc_a[j], dfc_a[l], inv_r[j], inv_r[l],
                         simd::hsum(_mm256_mul_ps(g2, f1)), simd::hsum(_mm256_mul_ps(g2, df1)),
                         simd::hsum(_mm256_mul_ps(gd2, f1)), grad_edge);
       }
@@ -295,7 +299,7 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
 #endif
   at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
     std::vector<Neighbor<scalar_t>> nbrs, ang;
-    std::vector<scalar_t> f1(k.Z), df1(k.Z), f2(k.A), df2(k.A), fc_a, dfc_a;
+    std::vector<scalar_t> f1(k.Z), df1(k.Z), f2(k.A), df2(k.A), fc_a, dfc_a, inv_r;
     for (int64_t i = begin; i < end; ++i) {
       if (species[i] < 0) continue;
       const scalar_t* grow = grad_aev + i * k.F;
@@ -314,10 +318,11 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
           const scalar_t e = scalar_t(0.25) * std::exp(-k.eta_r[s] * x * x);
           dr += g[s] * e * (dfc - scalar_t(2) * k.eta_r[s] * x * fc);
         }
-        for (int c = 0; c < 3; ++c) ge[c] += dr * n.v[c] / n.r;
+        const scalar_t dr_r = dr / n.r;
+        for (int c = 0; c < 3; ++c) ge[c] += dr_r * n.v[c];
       }
       const size_t na = ang.size();
-      angular_cutoffs(ang, k.rc_a, fc_a, &dfc_a);
+      angular_cutoffs(ang, k.rc_a, fc_a, &dfc_a, &inv_r);
       for (size_t j = 0; j < na; ++j) {
         for (size_t l = j + 1; l < na; ++l) {
           const auto& n1 = ang[j];
@@ -349,8 +354,8 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
             s_dm += row_f * df2[a];
             s_dc += row_df * f2[a];
           }
-          add_triple_grad(n1, n2, t, fc_a[j], fc_a[l], dfc_a[j], dfc_a[l], s_val, s_dc, s_dm,
-                          grad_edge);
+          add_triple_grad(n1, n2, t, fc_a[j], fc_a[l], dfc_a[j], dfc_a[l], inv_r[j], inv_r[l],
+                          s_val, s_dc, s_dm, grad_edge);
         }
       }
     }

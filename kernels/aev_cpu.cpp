@@ -114,14 +114,82 @@ struct AngularLanes {
   }
 };
 
+// Lanes 0-3 = a, 4-7 = b: the section factors of two triples in one vector when
+// Z = 4 (ANI-2x), so one log and one exp serve both. Lane for lane the same
+// arithmetic as a broadcast of each, hence the same bits.
+TF_AVX2_INLINE __m256 halves(float a, float b) {
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a)), _mm_set1_ps(b), 1);
+}
+TF_AVX2_INLINE __m256 low_half_twice(__m256 v) { return _mm256_permute2f128_ps(v, v, 0x00); }
+TF_AVX2_INLINE __m256 high_half_twice(__m256 v) { return _mm256_permute2f128_ps(v, v, 0x11); }
+
+// f1 = 2 ((1 + cos(acos(c) - ts)) / 2)^zeta per lane (section l % Z), from c and sqrt(1 - c^2).
+TF_AVX2_INLINE __m256 section_factor(const AngularLanes& lanes, __m256 c, __m256 sin_c) {
+  const __m256 cdev = _mm256_fmadd_ps(c, lanes.cos_z, _mm256_mul_ps(sin_c, lanes.sin_z));
+  const __m256 base = _mm256_mul_ps(_mm256_add_ps(_mm256_set1_ps(1.0f), cdev), _mm256_set1_ps(0.5f));
+  return _mm256_mul_ps(_mm256_set1_ps(2.0f), simd::exp(_mm256_mul_ps(lanes.zeta, simd::log(base))));
+}
+
+// f1 and df1/dc per lane; c_over_s = c / sqrt(1 - c^2).
+TF_AVX2_INLINE void section_parts(const AngularLanes& lanes, __m256 c, __m256 sin_c, __m256 c_over_s,
+                                  __m256& f1, __m256& df1) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 cdev = _mm256_fmadd_ps(c, lanes.cos_z, _mm256_mul_ps(sin_c, lanes.sin_z));
+  const __m256 base = _mm256_mul_ps(_mm256_add_ps(one, cdev), _mm256_set1_ps(0.5f));
+  // p = base^(zeta - 1): f1 = 2 p base, df1/dc = zeta p dcdev/dc
+  const __m256 p = simd::exp(_mm256_mul_ps(_mm256_sub_ps(lanes.zeta, one), simd::log(base)));
+  f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(2.0f), p), base);
+  // d cos(acos(c) - ts)/dc = cos(ts) - c / sqrt(1 - c^2) * sin(ts)
+  const __m256 dcdev = _mm256_fnmadd_ps(c_over_s, lanes.sin_z, lanes.cos_z);
+  df1 = _mm256_mul_ps(_mm256_mul_ps(lanes.zeta, p), dcdev);
+}
+
+// One triple's terms added to its AEV block: f1 (per lane) times f2(mean r) fc1 fc2.
+TF_AVX2_INLINE void add_triple_aev(const AngularLanes& lanes, const Consts<float>& k, float* row,
+                                   const Neighbor<float>& n1, const Neighbor<float>& n2,
+                                   float mean_r, float fcc, __m256 f1) {
+  const __m256 x = _mm256_sub_ps(_mm256_set1_ps(mean_r), lanes.shf);
+  const __m256 f2 = _mm256_mul_ps(simd::exp(_mm256_mul_ps(_mm256_mul_ps(lanes.neg_eta, x), x)),
+                                  _mm256_set1_ps(fcc));
+  float* out = row + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
+  for (int64_t v = 0; v < lanes.vectors; ++v) {
+    const __m256 f2v = _mm256_permutevar8x32_ps(f2, lanes.spread[v]);
+    _mm256_storeu_ps(out + 8 * v, _mm256_fmadd_ps(f2v, f1, _mm256_loadu_ps(out + 8 * v)));
+  }
+}
+
+// One triple's gradient on its half edges, from f1 and df1/dc per lane.
+TF_AVX2_INLINE void add_triple_grad_avx2(const AngularLanes& lanes, const Consts<float>& k,
+                                         const float* grow, const std::vector<Neighbor<float>>& ang,
+                                         size_t j, size_t l, const aev_math::Triple<float>& t,
+                                         const std::vector<float>& fc_a, const std::vector<float>& dfc_a,
+                                         const std::vector<float>& inv_r, __m256 f1, __m256 df1,
+                                         float* grad_edge) {
+  const Neighbor<float>& n1 = ang[j];
+  const Neighbor<float>& n2 = ang[l];
+  const __m256 x = _mm256_sub_ps(_mm256_set1_ps(t.mean_r), lanes.shf);
+  const __m256 f2 = simd::exp(_mm256_mul_ps(_mm256_mul_ps(lanes.neg_eta, x), x));
+  const __m256 df2 = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(lanes.neg_eta, lanes.neg_eta), x), f2);
+  const float* g = grow + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
+  // g2 = sum over the block of g f2(a), gd2 = sum of g df2(a)/d(mean r), per lane
+  __m256 g2 = _mm256_setzero_ps(), gd2 = _mm256_setzero_ps();
+  for (int64_t v = 0; v < lanes.vectors; ++v) {
+    const __m256 gv = _mm256_loadu_ps(g + 8 * v);
+    g2 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f2, lanes.spread[v]), gv, g2);
+    gd2 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(df2, lanes.spread[v]), gv, gd2);
+  }
+  add_triple_grad(n1, n2, t, fc_a[j], fc_a[l], dfc_a[j], dfc_a[l], inv_r[j], inv_r[l],
+                  simd::hsum(_mm256_mul_ps(g2, f1)), simd::hsum(_mm256_mul_ps(g2, df1)),
+                  simd::hsum(_mm256_mul_ps(gd2, f1)), grad_edge);
+}
+
 TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                 const float* diff, const HalfEdges& h, const Consts<float>& k,
                                 float* aev) {
   std::vector<Neighbor<float>> nbrs, ang;
   std::vector<float> fc_a;
   const AngularLanes lanes(k);
-  const __m256 cz = lanes.cos_z, sz = lanes.sin_z, zeta = lanes.zeta;
-  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), two = _mm256_set1_ps(2.0f);
+  const bool paired = k.Z == 4;
   for (int64_t i = begin; i < end; ++i) {
     float* row = aev + i * k.F;
     std::fill(row, row + k.F, 0.0f);  // (the output is allocated uninitialised)
@@ -141,21 +209,35 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
       if (n.r <= k.rc_a) ang.push_back(n);
     }
     angular_cutoffs<float>(ang, k.rc_a, fc_a, nullptr);
+    // With Z = 4 the triples go by two (the first held back until the second
+    // comes), still added in order: the same bits as one at a time.
+    size_t pj = 0, pl = 0;
+    aev_math::Triple<float> pt{};
+    bool pending = false;
     for (size_t j = 0; j < ang.size(); ++j) {
       for (size_t l = j + 1; l < ang.size(); ++l) {
         const auto t = make_triple(ang[j], ang[l]);
-        const __m256 cdev = _mm256_fmadd_ps(_mm256_set1_ps(t.c), cz, _mm256_mul_ps(_mm256_set1_ps(t.sin_c), sz));
-        const __m256 base = _mm256_mul_ps(_mm256_add_ps(one, cdev), half);
-        const __m256 f1 = _mm256_mul_ps(two, simd::exp(_mm256_mul_ps(zeta, simd::log(base))));
-        const __m256 x = _mm256_sub_ps(_mm256_set1_ps(t.mean_r), lanes.shf);
-        const __m256 f2 = _mm256_mul_ps(simd::exp(_mm256_mul_ps(_mm256_mul_ps(lanes.neg_eta, x), x)),
-                                        _mm256_set1_ps(fc_a[j] * fc_a[l]));
-        float* out = row + k.radial_len + k.pair_index(ang[j].species, ang[l].species) * k.A * k.Z;
-        for (int64_t v = 0; v < lanes.vectors; ++v) {
-          const __m256 f2v = _mm256_permutevar8x32_ps(f2, lanes.spread[v]);
-          _mm256_storeu_ps(out + 8 * v, _mm256_fmadd_ps(f2v, f1, _mm256_loadu_ps(out + 8 * v)));
+        if (!paired) {
+          const __m256 f1 = section_factor(lanes, _mm256_set1_ps(t.c), _mm256_set1_ps(t.sin_c));
+          add_triple_aev(lanes, k, row, ang[j], ang[l], t.mean_r, fc_a[j] * fc_a[l], f1);
+        } else if (!pending) {
+          pj = j;
+          pl = l;
+          pt = t;
+          pending = true;
+        } else {
+          const __m256 f1 = section_factor(lanes, halves(pt.c, t.c), halves(pt.sin_c, t.sin_c));
+          add_triple_aev(lanes, k, row, ang[pj], ang[pl], pt.mean_r, fc_a[pj] * fc_a[pl],
+                         low_half_twice(f1));
+          add_triple_aev(lanes, k, row, ang[j], ang[l], t.mean_r, fc_a[j] * fc_a[l],
+                         high_half_twice(f1));
+          pending = false;
         }
       }
+    }
+    if (pending) {
+      const __m256 f1 = section_factor(lanes, _mm256_set1_ps(pt.c), _mm256_set1_ps(pt.sin_c));
+      add_triple_aev(lanes, k, row, ang[pj], ang[pl], pt.mean_r, fc_a[pj] * fc_a[pl], f1);
     }
   }
 }
@@ -166,8 +248,7 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
   std::vector<Neighbor<float>> nbrs, ang;
   std::vector<float> fc_a, dfc_a, inv_r;
   const AngularLanes lanes(k);
-  const __m256 cz = lanes.cos_z, sz = lanes.sin_z, zeta = lanes.zeta;
-  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), two = _mm256_set1_ps(2.0f);
+  const bool paired = k.Z == 4;
   const __m256 quarter = _mm256_set1_ps(0.25f), neg_zero = _mm256_set1_ps(-0.0f);
   for (int64_t i = begin; i < end; ++i) {
     if (species[i] < 0) continue;
@@ -196,34 +277,38 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
     }
     const size_t na = ang.size();
     angular_cutoffs(ang, k.rc_a, fc_a, &dfc_a, &inv_r);
+    size_t pj = 0, pl = 0;  // a held-back triple, as in forward_atoms_avx2
+    aev_math::Triple<float> pt{};
+    bool pending = false;
     for (size_t j = 0; j < na; ++j) {
       for (size_t l = j + 1; l < na; ++l) {
-        const auto& n1 = ang[j];
-        const auto& n2 = ang[l];
-        const auto t = make_triple(n1, n2);
-        const __m256 cdev = _mm256_fmadd_ps(_mm256_set1_ps(t.c), cz, _mm256_mul_ps(_mm256_set1_ps(t.sin_c), sz));
-        const __m256 base = _mm256_mul_ps(_mm256_add_ps(one, cdev), half);
-        // p = base^(zeta - 1): f1 = 2 p base, df1/dc = zeta p dcdev/dc
-        const __m256 p = simd::exp(_mm256_mul_ps(_mm256_sub_ps(zeta, one), simd::log(base)));
-        const __m256 f1 = _mm256_mul_ps(_mm256_mul_ps(two, p), base);
-        // d cos(acos(c) - ts)/dc = cos(ts) - c / sqrt(1 - c^2) * sin(ts)
-        const __m256 dcdev = _mm256_fnmadd_ps(_mm256_set1_ps(t.c / t.sin_c), sz, cz);
-        const __m256 df1 = _mm256_mul_ps(_mm256_mul_ps(zeta, p), dcdev);
-        const __m256 x = _mm256_sub_ps(_mm256_set1_ps(t.mean_r), lanes.shf);
-        const __m256 f2 = simd::exp(_mm256_mul_ps(_mm256_mul_ps(lanes.neg_eta, x), x));
-        const __m256 df2 = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(lanes.neg_eta, lanes.neg_eta), x), f2);
-        const float* g = grow + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
-        // g2 = sum over the block of g f2(a), gd2 = sum of g df2(a)/d(mean r), per lane
-        __m256 g2 = _mm256_setzero_ps(), gd2 = _mm256_setzero_ps();
-        for (int64_t v = 0; v < lanes.vectors; ++v) {
-          const __m256 gv = _mm256_loadu_ps(g + 8 * v);
-          g2 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f2, lanes.spread[v]), gv, g2);
-          gd2 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(df2, lanes.spread[v]), gv, gd2);
+        const auto t = make_triple(ang[j], ang[l]);
+        __m256 f1, df1;
+        if (!paired) {
+          section_parts(lanes, _mm256_set1_ps(t.c), _mm256_set1_ps(t.sin_c),
+                        _mm256_set1_ps(t.c / t.sin_c), f1, df1);
+          add_triple_grad_avx2(lanes, k, grow, ang, j, l, t, fc_a, dfc_a, inv_r, f1, df1, grad_edge);
+        } else if (!pending) {
+          pj = j;
+          pl = l;
+          pt = t;
+          pending = true;
+        } else {
+          section_parts(lanes, halves(pt.c, t.c), halves(pt.sin_c, t.sin_c),
+                        halves(pt.c / pt.sin_c, t.c / t.sin_c), f1, df1);
+          add_triple_grad_avx2(lanes, k, grow, ang, pj, pl, pt, fc_a, dfc_a, inv_r,
+                               low_half_twice(f1), low_half_twice(df1), grad_edge);
+          add_triple_grad_avx2(lanes, k, grow, ang, j, l, t, fc_a, dfc_a, inv_r,
+                               high_half_twice(f1), high_half_twice(df1), grad_edge);
+          pending = false;
         }
-        add_triple_grad(n1, n2, t, fc_a[j], fc_a[l], dfc_a[j], dfc_a[l], inv_r[j], inv_r[l],
-                        simd::hsum(_mm256_mul_ps(g2, f1)), simd::hsum(_mm256_mul_ps(g2, df1)),
-                        simd::hsum(_mm256_mul_ps(gd2, f1)), grad_edge);
       }
+    }
+    if (pending) {
+      __m256 f1, df1;
+      section_parts(lanes, _mm256_set1_ps(pt.c), _mm256_set1_ps(pt.sin_c),
+                    _mm256_set1_ps(pt.c / pt.sin_c), f1, df1);
+      add_triple_grad_avx2(lanes, k, grow, ang, pj, pl, pt, fc_a, dfc_a, inv_r, f1, df1, grad_edge);
     }
   }
 }

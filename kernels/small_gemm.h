@@ -2,6 +2,7 @@
 // one block of atoms) times one member's weights, row-major throughout.
 //
 //   panel_gemm(A, W)      = A W (+ bias, or + C; then * D)   float32, AVX2 + FMA
+//   panel_nt(G, W)        = G W^T (+ C, or * D)               float32, AVX2, 1-2 rows
 //   gemm_bias(A, B, bias) = A B + bias                        any dtype, BLAS
 //   gemm_nt(A, B, D)      = (A B^T) * D, or C (+)= A B^T      any dtype, BLAS
 //
@@ -16,6 +17,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -135,6 +137,58 @@ TF_AVX2 inline void panel_gemm_avx2(
     }
   }
 }
+
+// The four horizontal sums of a, b, c, d.
+TF_AVX2_INLINE __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// Row r of C[:, 0:I] = epilogue(g_r W^T) for I <= 4 consecutive rows of W
+// (k x n), read from W's forward panels: `w` points at the first of them in
+// panel 0 (panel stride 16 k). Each accumulator holds 8 of the n products.
+template <int I>
+TF_AVX2_INLINE void panel_nt_row(const float* g, const float* w, int64_t k, int64_t n,
+                                 bool accumulate, const float* d, float* c) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  for (int64_t p = 0; p < n; p += 16) {
+    const float* wp = w + p * k;
+    const __m256 g0 = _mm256_loadu_ps(g + p), g1 = _mm256_loadu_ps(g + p + 8);
+    for (int i = 0; i < I; ++i) {
+      acc[i] = _mm256_fmadd_ps(g0, _mm256_loadu_ps(wp + 16 * i), acc[i]);
+      acc[i] = _mm256_fmadd_ps(g1, _mm256_loadu_ps(wp + 16 * i + 8), acc[i]);
+    }
+  }
+  alignas(16) float s[4];
+  _mm_store_ps(s, hsum4(acc[0], acc[1], acc[2], acc[3]));
+  for (int i = 0; i < I; ++i) {
+    const float v = d != nullptr ? s[i] * d[i] : s[i];
+    c[i] = accumulate ? c[i] + v : v;
+  }
+}
+
+// C (m x k) = G (m x n) W^T for a few rows m, W (k x n) given as its forward
+// panels (n/16 of (k, 16)); times D (ldd) if given, else stored or added.
+// For one to a few rows the product is bound by reading W, and the forward
+// pass has just brought these panels into cache, which W^T's panels are not.
+TF_AVX2 inline void panel_nt_avx2(int64_t m, int64_t k, int64_t n, const float* g, int64_t ldg,
+                                  const float* w, bool accumulate, const float* d, int64_t ldd,
+                                  float* c, int64_t ldc) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* gr = g + r * ldg;
+    const float* dr = d != nullptr ? d + r * ldd : nullptr;
+    for (int64_t i = 0; i < k; i += 4) {
+      const float* di = dr != nullptr ? dr + i : nullptr;
+      switch (std::min<int64_t>(4, k - i)) {
+        case 4: panel_nt_row<4>(gr, w + 16 * i, k, n, accumulate, di, c + r * ldc + i); break;
+        case 3: panel_nt_row<3>(gr, w + 16 * i, k, n, accumulate, di, c + r * ldc + i); break;
+        case 2: panel_nt_row<2>(gr, w + 16 * i, k, n, accumulate, di, c + r * ldc + i); break;
+        default: panel_nt_row<1>(gr, w + 16 * i, k, n, accumulate, di, c + r * ldc + i); break;
+      }
+    }
+  }
+}
 #endif
 
 // Whether panel_gemm can run here (float32, x86-64 with AVX2 and FMA).
@@ -154,6 +208,17 @@ inline void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t 
   panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc);
 #else
   TORCH_CHECK(false, "panel_gemm needs an x86-64 CPU with AVX2");
+#endif
+}
+
+// C (m x k) = G W^T from W's forward panels, as panel_nt_avx2; n % 16 == 0;
+// needs panels_supported().
+inline void panel_nt(int64_t m, int64_t k, int64_t n, const float* g, int64_t ldg, const float* w,
+                     bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc) {
+#ifdef TF_SIMD_AVX2
+  panel_nt_avx2(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc);
+#else
+  TORCH_CHECK(false, "panel_nt needs an x86-64 CPU with AVX2");
 #endif
 }
 

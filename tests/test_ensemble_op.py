@@ -74,6 +74,7 @@ CASES = {
     # widths, AEV columns per group, atoms per group
     "ani-like": ([32, 16, 16], [48, 32, 64], [70, 5, 130]),
     "one-atom": ([32, 16, 16], [16], [1]),
+    "two-atoms": ([48, 32, 16], [32, 64], [2, 1]),  # backward on the forward panels (<= 2 rows)
     "odd-widths": ([10, 6], [7, 13], [9, 66]),  # not multiples of 16: BLAS only
     "linear": ([], [16, 32], [4, 3]),  # one Linear layer: J = W^T
 }

@@ -88,19 +88,6 @@ class NeighborList(torch.nn.Module):
         cell: tp.Optional[Tensor] = None,
         pbc: tp.Optional[Tensor] = None,
     ) -> Neighbors:
-        pairs, diff = self.pairs_and_diffs(cutoff, elem_idxs, coords, cell, pbc)
-        return Neighbors(pairs, diff.norm(2, -1), diff)
-
-    @torch.jit.export
-    def pairs_and_diffs(
-        self,
-        cutoff: float,
-        elem_idxs: Tensor,
-        coords: Tensor,
-        cell: tp.Optional[Tensor] = None,
-        pbc: tp.Optional[Tensor] = None,
-    ) -> tp.Tuple[Tensor, Tensor]:
-        """``forward`` without the distances (the AEV op needs only the vectors)."""
         # The sync-free mode reads no data here either (see check_capacity).
         check_cell_pbc(coords, cell, pbc, values=self.max_pairs == 0)
         use_cells = self.strategy == "cell_list" or (
@@ -124,7 +111,7 @@ class NeighborList(torch.nn.Module):
         diff = flat.index_select(0, safe[0]) - flat.index_select(0, safe[1])
         if cell is not None:
             diff = diff + images @ cell
-        return pairs, diff
+        return Neighbors(pairs, diff.norm(2, -1), diff)
 
 
 class AEVComputer(torch.nn.Module):
@@ -186,9 +173,8 @@ class AEVComputer(torch.nn.Module):
         """AEVs (M, A, out_dim) of a batch; see ``torchani.aev.AEVComputer.forward``."""
         if coords is None:
             raise ValueError("coords is required")
-        pairs, diff = self.neighborlist.pairs_and_diffs(float(self.radial.cutoff), elem_idxs, coords,
-                                                        cell, pbc)
-        return self._aev(elem_idxs, pairs, diff)
+        neighbors = self.neighborlist(float(self.radial.cutoff), elem_idxs, coords, cell, pbc)
+        return self._aev(elem_idxs, neighbors.indices, neighbors.diff_vectors)
 
     @torch.jit.export
     def compute_from_neighbors(self, elem_idxs: Tensor, coords: Tensor,

@@ -482,3 +482,29 @@ def test_unpickling_a_module_from_an_older_version():
     species, coords = padded_batch(BATCHES["ANI2x"], torch.float64)
     assert_energies(fast((species, coords)).energies, ref((species, coords)).energies, torch.float64)
     assert old.native_cpu
+
+
+def test_many_compositions_and_member_sets_with_evictions():
+    # The eager CPU path caches the op's arguments per (members, groups); with a
+    # small cache, 24 compositions and changing active members evict entries
+    # again and again. Every call must still equal TorchANI.
+    from torchani_fast.testing import random_molecule
+
+    ref, fast = model_pair("ANI2x", torch.float64)
+    nets = fast.potentials["nnp"].neural_networks
+    nets.max_first_layer_packs = 3
+    member_sets = [[0, 1, 2, 3, 4, 5, 6, 7], [2, 5], [7]]
+    compositions = set()
+    for trial in range(24):
+        species, coords = random_molecule(n=5 + trial % 7, seed=trial)
+        compositions.add(frozenset(species.flatten().tolist()))
+        members = member_sets[trial % 3]
+        if trial % 4 == 0:  # set_active_members clears the caches; otherwise they persist
+            for model in (ref, fast):
+                model.set_active_members(members)
+        e_ref, f_ref = energy_forces(ref, species, coords)
+        e, f = energy_forces(fast, species, coords)
+        torch.testing.assert_close(e, e_ref, rtol=1e-10, atol=0)
+        torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-9)
+        assert len(nets._native_plans) <= nets.max_first_layer_packs
+    assert len(compositions) > 2 * nets.max_first_layer_packs  # so entries were evicted

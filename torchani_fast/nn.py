@@ -11,7 +11,8 @@ after every layer but the last:
   sum, J = d(sum_k out_k)/dx, right after it, with the member's weights still in
   cache; nothing is kept for backward but the AEV and J (about 10% of the
   activations' size). float32 on AVX2 CPUs multiplies with its own kernels on
-  16-column panel copies of the weights (W and W^T), made once and cached;
+  16-column panel copies of the weights (W and W^T; blocks of 1-2 atoms take
+  their backward from W, which the forward has just read), made once and cached;
   other CPUs and float64 call BLAS. ``native_cpu = False`` turns it off.
 - **Elsewhere** (CUDA, TorchScript, training): layer 1 as one wide GEMM
   ``(atoms, K) @ (K, members * width)`` (a batched GEMM over the members for

@@ -114,6 +114,20 @@ struct AngularLanes {
   }
 };
 
+// One angular triple of an atom: its two neighbours (indices into the angular
+// neighbours) and the parts shared by its terms.
+struct TripleRef {
+  size_t j, l;
+  aev_math::Triple<float> t;
+};
+
+// The angular triples of one atom, in the order their terms are added.
+inline void collect_triples(const std::vector<Neighbor<float>>& ang, std::vector<TripleRef>& out) {
+  out.clear();
+  for (size_t j = 0; j < ang.size(); ++j)
+    for (size_t l = j + 1; l < ang.size(); ++l) out.push_back({j, l, make_triple(ang[j], ang[l])});
+}
+
 // Lanes 0-3 = a, 4-7 = b: the section factors of two triples in one vector when
 // Z = 4 (ANI-2x), so one log and one exp serve both. Lane for lane the same
 // arithmetic as a broadcast of each, hence the same bits.
@@ -123,10 +137,15 @@ TF_AVX2_INLINE __m256 halves(float a, float b) {
 TF_AVX2_INLINE __m256 low_half_twice(__m256 v) { return _mm256_permute2f128_ps(v, v, 0x00); }
 TF_AVX2_INLINE __m256 high_half_twice(__m256 v) { return _mm256_permute2f128_ps(v, v, 0x11); }
 
-// f1 = 2 ((1 + cos(acos(c) - ts)) / 2)^zeta per lane (section l % Z), from c and sqrt(1 - c^2).
-TF_AVX2_INLINE __m256 section_factor(const AngularLanes& lanes, __m256 c, __m256 sin_c) {
+// (1 + cos(acos(c) - ts)) / 2 per lane (section l % Z), from c and sqrt(1 - c^2).
+TF_AVX2_INLINE __m256 section_base(const AngularLanes& lanes, __m256 c, __m256 sin_c) {
   const __m256 cdev = _mm256_fmadd_ps(c, lanes.cos_z, _mm256_mul_ps(sin_c, lanes.sin_z));
-  const __m256 base = _mm256_mul_ps(_mm256_add_ps(_mm256_set1_ps(1.0f), cdev), _mm256_set1_ps(0.5f));
+  return _mm256_mul_ps(_mm256_add_ps(_mm256_set1_ps(1.0f), cdev), _mm256_set1_ps(0.5f));
+}
+
+// f1 = 2 base^zeta per lane.
+TF_AVX2_INLINE __m256 section_factor(const AngularLanes& lanes, __m256 c, __m256 sin_c) {
+  const __m256 base = section_base(lanes, c, sin_c);
   return _mm256_mul_ps(_mm256_set1_ps(2.0f), simd::exp(_mm256_mul_ps(lanes.zeta, simd::log(base))));
 }
 
@@ -134,8 +153,7 @@ TF_AVX2_INLINE __m256 section_factor(const AngularLanes& lanes, __m256 c, __m256
 TF_AVX2_INLINE void section_parts(const AngularLanes& lanes, __m256 c, __m256 sin_c, __m256 c_over_s,
                                   __m256& f1, __m256& df1) {
   const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 cdev = _mm256_fmadd_ps(c, lanes.cos_z, _mm256_mul_ps(sin_c, lanes.sin_z));
-  const __m256 base = _mm256_mul_ps(_mm256_add_ps(one, cdev), _mm256_set1_ps(0.5f));
+  const __m256 base = section_base(lanes, c, sin_c);
   // p = base^(zeta - 1): f1 = 2 p base, df1/dc = zeta p dcdev/dc
   const __m256 p = simd::exp(_mm256_mul_ps(_mm256_sub_ps(lanes.zeta, one), simd::log(base)));
   f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(2.0f), p), base);
@@ -146,12 +164,12 @@ TF_AVX2_INLINE void section_parts(const AngularLanes& lanes, __m256 c, __m256 si
 
 // One triple's terms added to its AEV block: f1 (per lane) times f2(mean r) fc1 fc2.
 TF_AVX2_INLINE void add_triple_aev(const AngularLanes& lanes, const Consts<float>& k, float* row,
-                                   const Neighbor<float>& n1, const Neighbor<float>& n2,
-                                   float mean_r, float fcc, __m256 f1) {
-  const __m256 x = _mm256_sub_ps(_mm256_set1_ps(mean_r), lanes.shf);
+                                   const std::vector<Neighbor<float>>& ang,
+                                   const std::vector<float>& fc_a, const TripleRef& tr, __m256 f1) {
+  const __m256 x = _mm256_sub_ps(_mm256_set1_ps(tr.t.mean_r), lanes.shf);
   const __m256 f2 = _mm256_mul_ps(simd::exp(_mm256_mul_ps(_mm256_mul_ps(lanes.neg_eta, x), x)),
-                                  _mm256_set1_ps(fcc));
-  float* out = row + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
+                                  _mm256_set1_ps(fc_a[tr.j] * fc_a[tr.l]));
+  float* out = row + k.radial_len + k.pair_index(ang[tr.j].species, ang[tr.l].species) * k.A * k.Z;
   for (int64_t v = 0; v < lanes.vectors; ++v) {
     const __m256 f2v = _mm256_permutevar8x32_ps(f2, lanes.spread[v]);
     _mm256_storeu_ps(out + 8 * v, _mm256_fmadd_ps(f2v, f1, _mm256_loadu_ps(out + 8 * v)));
@@ -161,10 +179,12 @@ TF_AVX2_INLINE void add_triple_aev(const AngularLanes& lanes, const Consts<float
 // One triple's gradient on its half edges, from f1 and df1/dc per lane.
 TF_AVX2_INLINE void add_triple_grad_avx2(const AngularLanes& lanes, const Consts<float>& k,
                                          const float* grow, const std::vector<Neighbor<float>>& ang,
-                                         size_t j, size_t l, const aev_math::Triple<float>& t,
-                                         const std::vector<float>& fc_a, const std::vector<float>& dfc_a,
+                                         const TripleRef& tr, const std::vector<float>& fc_a,
+                                         const std::vector<float>& dfc_a,
                                          const std::vector<float>& inv_r, __m256 f1, __m256 df1,
                                          float* grad_edge) {
+  const size_t j = tr.j, l = tr.l;
+  const aev_math::Triple<float>& t = tr.t;
   const Neighbor<float>& n1 = ang[j];
   const Neighbor<float>& n2 = ang[l];
   const __m256 x = _mm256_sub_ps(_mm256_set1_ps(t.mean_r), lanes.shf);
@@ -188,6 +208,7 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
                                 float* aev) {
   std::vector<Neighbor<float>> nbrs, ang;
   std::vector<float> fc_a;
+  std::vector<TripleRef> triples;
   const AngularLanes lanes(k);
   const bool paired = k.Z == 4;
   for (int64_t i = begin; i < end; ++i) {
@@ -209,35 +230,21 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
       if (n.r <= k.rc_a) ang.push_back(n);
     }
     angular_cutoffs<float>(ang, k.rc_a, fc_a, nullptr);
-    // With Z = 4 the triples go by two (the first held back until the second
-    // comes), still added in order: the same bits as one at a time.
-    size_t pj = 0, pl = 0;
-    aev_math::Triple<float> pt{};
-    bool pending = false;
-    for (size_t j = 0; j < ang.size(); ++j) {
-      for (size_t l = j + 1; l < ang.size(); ++l) {
-        const auto t = make_triple(ang[j], ang[l]);
-        if (!paired) {
-          const __m256 f1 = section_factor(lanes, _mm256_set1_ps(t.c), _mm256_set1_ps(t.sin_c));
-          add_triple_aev(lanes, k, row, ang[j], ang[l], t.mean_r, fc_a[j] * fc_a[l], f1);
-        } else if (!pending) {
-          pj = j;
-          pl = l;
-          pt = t;
-          pending = true;
-        } else {
-          const __m256 f1 = section_factor(lanes, halves(pt.c, t.c), halves(pt.sin_c, t.sin_c));
-          add_triple_aev(lanes, k, row, ang[pj], ang[pl], pt.mean_r, fc_a[pj] * fc_a[pl],
-                         low_half_twice(f1));
-          add_triple_aev(lanes, k, row, ang[j], ang[l], t.mean_r, fc_a[j] * fc_a[l],
-                         high_half_twice(f1));
-          pending = false;
-        }
+    collect_triples(ang, triples);
+    size_t q = 0;
+    if (paired) {  // Z = 4: two triples per section-factor vector, still added in order
+      for (; q + 1 < triples.size(); q += 2) {
+        const TripleRef& a = triples[q];
+        const TripleRef& b = triples[q + 1];
+        const __m256 f1 = section_factor(lanes, halves(a.t.c, b.t.c), halves(a.t.sin_c, b.t.sin_c));
+        add_triple_aev(lanes, k, row, ang, fc_a, a, low_half_twice(f1));
+        add_triple_aev(lanes, k, row, ang, fc_a, b, high_half_twice(f1));
       }
     }
-    if (pending) {
-      const __m256 f1 = section_factor(lanes, _mm256_set1_ps(pt.c), _mm256_set1_ps(pt.sin_c));
-      add_triple_aev(lanes, k, row, ang[pj], ang[pl], pt.mean_r, fc_a[pj] * fc_a[pl], f1);
+    for (; q < triples.size(); ++q) {
+      const TripleRef& a = triples[q];
+      add_triple_aev(lanes, k, row, ang, fc_a, a,
+                     section_factor(lanes, _mm256_set1_ps(a.t.c), _mm256_set1_ps(a.t.sin_c)));
     }
   }
 }
@@ -247,6 +254,7 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
                                  const float* grad_aev, float* grad_edge) {
   std::vector<Neighbor<float>> nbrs, ang;
   std::vector<float> fc_a, dfc_a, inv_r;
+  std::vector<TripleRef> triples;
   const AngularLanes lanes(k);
   const bool paired = k.Z == 4;
   const __m256 quarter = _mm256_set1_ps(0.25f), neg_zero = _mm256_set1_ps(-0.0f);
@@ -275,40 +283,27 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
       float* ge = grad_edge + 3 * n.edge;
       for (int c = 0; c < 3; ++c) ge[c] += dr_r * n.v[c];
     }
-    const size_t na = ang.size();
     angular_cutoffs(ang, k.rc_a, fc_a, &dfc_a, &inv_r);
-    size_t pj = 0, pl = 0;  // a held-back triple, as in forward_atoms_avx2
-    aev_math::Triple<float> pt{};
-    bool pending = false;
-    for (size_t j = 0; j < na; ++j) {
-      for (size_t l = j + 1; l < na; ++l) {
-        const auto t = make_triple(ang[j], ang[l]);
-        __m256 f1, df1;
-        if (!paired) {
-          section_parts(lanes, _mm256_set1_ps(t.c), _mm256_set1_ps(t.sin_c),
-                        _mm256_set1_ps(t.c / t.sin_c), f1, df1);
-          add_triple_grad_avx2(lanes, k, grow, ang, j, l, t, fc_a, dfc_a, inv_r, f1, df1, grad_edge);
-        } else if (!pending) {
-          pj = j;
-          pl = l;
-          pt = t;
-          pending = true;
-        } else {
-          section_parts(lanes, halves(pt.c, t.c), halves(pt.sin_c, t.sin_c),
-                        halves(pt.c / pt.sin_c, t.c / t.sin_c), f1, df1);
-          add_triple_grad_avx2(lanes, k, grow, ang, pj, pl, pt, fc_a, dfc_a, inv_r,
-                               low_half_twice(f1), low_half_twice(df1), grad_edge);
-          add_triple_grad_avx2(lanes, k, grow, ang, j, l, t, fc_a, dfc_a, inv_r,
-                               high_half_twice(f1), high_half_twice(df1), grad_edge);
-          pending = false;
-        }
+    collect_triples(ang, triples);
+    size_t q = 0;
+    __m256 f1, df1;
+    if (paired) {  // as in forward_atoms_avx2
+      for (; q + 1 < triples.size(); q += 2) {
+        const TripleRef& a = triples[q];
+        const TripleRef& b = triples[q + 1];
+        section_parts(lanes, halves(a.t.c, b.t.c), halves(a.t.sin_c, b.t.sin_c),
+                      halves(a.t.c / a.t.sin_c, b.t.c / b.t.sin_c), f1, df1);
+        add_triple_grad_avx2(lanes, k, grow, ang, a, fc_a, dfc_a, inv_r, low_half_twice(f1),
+                             low_half_twice(df1), grad_edge);
+        add_triple_grad_avx2(lanes, k, grow, ang, b, fc_a, dfc_a, inv_r, high_half_twice(f1),
+                             high_half_twice(df1), grad_edge);
       }
     }
-    if (pending) {
-      __m256 f1, df1;
-      section_parts(lanes, _mm256_set1_ps(pt.c), _mm256_set1_ps(pt.sin_c),
-                    _mm256_set1_ps(pt.c / pt.sin_c), f1, df1);
-      add_triple_grad_avx2(lanes, k, grow, ang, pj, pl, pt, fc_a, dfc_a, inv_r, f1, df1, grad_edge);
+    for (; q < triples.size(); ++q) {
+      const TripleRef& a = triples[q];
+      section_parts(lanes, _mm256_set1_ps(a.t.c), _mm256_set1_ps(a.t.sin_c),
+                    _mm256_set1_ps(a.t.c / a.t.sin_c), f1, df1);
+      add_triple_grad_avx2(lanes, k, grow, ang, a, fc_a, dfc_a, inv_r, f1, df1, grad_edge);
     }
   }
 }

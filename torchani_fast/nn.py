@@ -315,14 +315,8 @@ class _FusedBase(AtomicContainer):
         group_elem: tp.List[int], group_mask: tp.List[int], group_size: tp.List[int],
     ) -> Tensor:
         """Values (k, atoms) of the groups by ``_Recompute`` in PyTorch, keeping no activations."""
-        plan = []
-        for g in range(len(group_size)):
-            e = group_elem[g]
-            cols, w1 = self._cached_first(act, e, group_mask[g])[:2]
-            o = self.offsets[e]
-            plan.append((None if cols.shape[0] == aev.shape[1] else cols, w1,
-                         hidden[o:o + 2 * self.num_layers[e] - 1]))
-        return _Recompute.apply(aev, atoms, group_size, plan, len(act), self.small_group_atoms, None)
+        args = self._op_args(act, group_elem, group_mask, hidden, False)
+        return _Recompute.apply(aev, atoms, group_size, args, len(act), self.small_group_atoms, False)
 
     @torch.jit.unused
     def _native_values(
@@ -333,17 +327,17 @@ class _FusedBase(AtomicContainer):
         parameter it would use requires grad: training takes the PyTorch path,
         which packs on every call (an optimizer step changes the weights in place,
         unseen by the cache), with or without grad mode."""
-        plan = self._native_plan(act, group_elem, group_mask, aev.shape[1])
+        plan = self._native_plan(act, group_elem, group_mask)
         if plan is None:
             return None
-        args = (atoms, group_size) + plan.op_args
         if torch.is_grad_enabled() and aev.requires_grad:
-            return _Recompute.apply(aev, atoms, group_size, plan.groups, len(act), self.small_group_atoms, args)
-        return torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), *args, len(act), False)[0]
+            return _Recompute.apply(aev, atoms, group_size, plan.op_args, len(act), self.small_group_atoms, True)
+        return torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), atoms, group_size, *plan.op_args,
+                                                    len(act), False)[0]
 
     @torch.jit.unused
-    def _native_plan(self, act: tp.List[int], group_elem: tp.List[int], group_mask: tp.List[int],
-                     features: int) -> tp.Optional["_NativePlan"]:
+    def _native_plan(self, act: tp.List[int], group_elem: tp.List[int],
+                     group_mask: tp.List[int]) -> tp.Optional["_NativePlan"]:
         """The op's weight arguments for these members and groups, cached (a call
         with a composition seen before costs one dict lookup here), or None
         while one of the parameters they come from requires grad."""
@@ -359,9 +353,20 @@ class _FusedBase(AtomicContainer):
             return None  # nothing built or cached: the weights may change in place
         if plan is not None:
             return plan
-        hidden = self._cached_hidden(act)
-        columns, first, packs, layers, panels, groups = [], [], [], [], [], []
-        use_panels = self._probe.dtype == torch.float32
+        plan = _NativePlan(self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True), params)
+        if len(self._native_plans) >= self.max_first_layer_packs:
+            self._native_plans.pop(next(iter(self._native_plans)))  # the oldest
+        self._native_plans[key] = plan
+        return plan
+
+    @torch.jit.unused
+    def _op_args(self, act: tp.List[int], group_elem: tp.List[int], group_mask: tp.List[int],
+                 hidden: tp.List[Tensor], with_panels: bool) -> tp.Tuple:
+        """(columns, first, packs, panels, layers) of these groups, as ``ensemble_mlp``
+        takes them. Panels only when asked for, float32 and every width a multiple
+        of 16; else an empty list."""
+        columns, first, packs, layers, panels = [], [], [], [], []
+        use_panels = with_panels and self._probe.dtype == torch.float32
         for e, mask in zip(group_elem, group_mask):
             cached = self._cached_first(act, e, mask)
             o = self.offsets[e]
@@ -370,17 +375,12 @@ class _FusedBase(AtomicContainer):
             first.append(cached[1])
             packs.extend(hidden_e)
             layers.append(self.num_layers[e])
-            groups.append((None if cached[0].shape[0] == features else cached[0], cached[1], hidden_e))
             if use_panels:
                 group_panels = self._panels(act, e, cached, hidden_e)
                 use_panels = group_panels is not None
                 if use_panels:
                     panels.extend(group_panels)
-        plan = _NativePlan((columns, first, packs, panels if use_panels else [], layers), groups, params)
-        if len(self._native_plans) >= self.max_first_layer_packs:
-            self._native_plans.pop(next(iter(self._native_plans)))  # the oldest
-        self._native_plans[key] = plan
-        return plan
+        return (columns, first, packs, panels if use_panels else [], layers)
 
     @torch.jit.unused
     def _panels(self, act: tp.List[int], elem: int, first: tp.List[Tensor], hidden_e: tp.List[Tensor]):
@@ -648,7 +648,7 @@ class _FusedBase(AtomicContainer):
     @torch.jit.unused
     def _eager_clear(self) -> None:
         self._eager_cache = {}
-        self._native_plans = {}
+        self._eager_plans_clear()
         self._refresh_params()
 
     @torch.jit.unused
@@ -870,22 +870,33 @@ class _NativePlan(tp.NamedTuple):
     members and groups (``_FusedBase._native_plan``)."""
 
     op_args: tp.Tuple  # (columns, first, packs, panels, layers), as in the op's schema
-    groups: tp.List  # per group (AEV columns or None for all, layer-1 weights, other packs)
     params: tp.List[Tensor]  # the parameters these packs come from (requires_grad check)
+
+
+def _per_group(args: tp.Tuple, features: int) -> tp.List:
+    """Per group (AEV columns or None for all, layer-1 weights, later packs), from
+    the op's arguments (columns, first, packs, panels, layers)."""
+    columns, first, packs, _, layers = args
+    out = []
+    p = 0
+    for cols, w1, nl in zip(columns, first, layers):
+        out.append((None if cols.shape[0] == features else cols, w1, packs[p:p + 2 * nl - 1]))
+        p += 2 * nl - 1
+    return out
 
 
 class _Recompute(torch.autograd.Function):
     """Atomic energies (k, atoms) of all groups without keeping the activations for backward.
 
     ``atoms`` (grouped, runs of ``sizes``) are the evaluated rows of ``aev``;
-    ``plan`` holds per group (AEV columns or None for all, layer-1 weights
-    (K, k*d1), the other packs). The weights are constants here (the path is
-    only taken when they need no grad).
+    ``args`` are the groups' weights as ``ensemble_mlp`` takes them (columns,
+    layer-1 weights (K, k*d1), the other packs, panels, layers). The weights are
+    constants here (the path is only taken when they need no grad).
 
-    With ``native`` (the CPU op's arguments) the forward pass is the C++ op
-    ensemble_mlp, which also returns, per atom, the derivative of the sum over
-    members, J = d(sum_k out_k)/dx (the used AEV columns only: about 10% of
-    the activations' size). When the incoming gradient is the same for every
+    With ``native`` (CPU) the forward pass is the C++ op ensemble_mlp, which also
+    returns, per atom, the derivative of the sum over members,
+    J = d(sum_k out_k)/dx (the used AEV columns only: about 10% of the
+    activations' size). When the incoming gradient is the same for every
     member, which is the case of energies, atomic energies and forces of an
     ensemble mean, the backward is ``grad * J`` (ensemble_mlp_backward).
     Otherwise (per-member values, QBC, create_graph=True, or without
@@ -893,21 +904,20 @@ class _Recompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, aev: Tensor, atoms: Tensor, sizes: tp.List[int], plan, k: int, small: int,
-                native) -> Tensor:
+    def forward(ctx, aev: Tensor, atoms: Tensor, sizes: tp.List[int], args: tp.Tuple, k: int, small: int,
+                native: bool) -> Tensor:
         ctx.atoms = atoms
         ctx.sizes = sizes
-        ctx.plan = plan
+        ctx.args = args
         ctx.k = k
         ctx.small = small
         ctx.save_for_backward(aev)
-        ctx.native = None
-        if native is not None:  # CPU: the C++ op, values and J in one pass
-            values, jac = torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), *native, k, True)
-            ctx.native = (native[2], jac)  # columns, J
+        ctx.jac = None
+        if native:  # CPU: the C++ op, values and J in one pass
+            values, ctx.jac = torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), atoms, sizes, *args, k, True)
             return values
         outs = []
-        for atoms_g, (cols, w1, packs) in zip(atoms.split(sizes), plan):
+        for atoms_g, (cols, w1, packs) in zip(atoms.split(sizes), _per_group(args, aev.shape[1])):
             for chunk in atoms_g.split(RECOMPUTE_CHUNK_ATOMS):
                 outs.append(_mlp_values(_gather(aev, chunk, cols), w1, packs, k, small)[0])
         return aev.new_zeros((k, aev.shape[0])).index_copy_(1, atoms, torch.cat(outs, 1))
@@ -918,15 +928,15 @@ class _Recompute(torch.autograd.Function):
         # Grad mode is on here only under create_graph=True: then the backward is
         # recorded (out-of-place writes) and can be differentiated again.
         differentiable = torch.is_grad_enabled()
-        native, ctx.native = ctx.native, None
-        if native is not None and not differentiable:
+        jac, ctx.jac = ctx.jac, None
+        if jac is not None and not differentiable:
             # grad_out[0] * J when every member has the same incoming gradient.
             grad = torch.ops.torchani_fast.ensemble_mlp_backward(
-                grad_out, ctx.atoms, ctx.sizes, native[0], native[1], aev.shape[1])
+                grad_out, ctx.atoms, ctx.sizes, ctx.args[0], jac, aev.shape[1])
             if grad.dim() == 2:
                 return grad, None, None, None, None, None, None
         grad = aev.new_zeros(aev.shape)
-        for atoms_g, (cols, w1, packs) in zip(ctx.atoms.split(ctx.sizes), ctx.plan):
+        for atoms_g, (cols, w1, packs) in zip(ctx.atoms.split(ctx.sizes), _per_group(ctx.args, aev.shape[1])):
             for chunk in atoms_g.split(RECOMPUTE_CHUNK_ATOMS):
                 pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, ctx.k, ctx.small)[1]
                 gx = _mlp_input_grad(grad_out.index_select(1, chunk), w1, packs, pre, ctx.k, ctx.small)

@@ -85,5 +85,11 @@ TF_AVX2_INLINE float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The four horizontal sums of a, b, c, d.
+TF_AVX2_INLINE __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
 }  // namespace torchani_fast::simd
 #endif

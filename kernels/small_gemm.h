@@ -16,8 +16,8 @@
 
 #include <ATen/ATen.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -33,7 +33,6 @@ void dgemm_(const char*, const char*, const int*, const int*, const int*, const 
 }
 
 namespace torchani_fast::small_gemm {
-
 
 // C (m x n) = op(A) op(B) + beta C, row-major (ta/tb: A/B stored transposed).
 template <typename T>
@@ -138,12 +137,6 @@ TF_AVX2 inline void panel_gemm_avx2(
   }
 }
 
-// The four horizontal sums of a, b, c, d.
-TF_AVX2_INLINE __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
 // Row r of C[:, 0:I] = epilogue(g_r W^T) for I <= 4 consecutive rows of W
 // (k x n), read from W's forward panels: `w` points at the first of them in
 // panel 0 (panel stride 16 k). Each accumulator holds 8 of the n products.
@@ -161,7 +154,7 @@ TF_AVX2_INLINE void panel_nt_row(const float* g, const float* w, int64_t k, int6
     }
   }
   alignas(16) float s[4];
-  _mm_store_ps(s, hsum4(acc[0], acc[1], acc[2], acc[3]));
+  _mm_store_ps(s, simd::hsum4(acc[0], acc[1], acc[2], acc[3]));
   for (int i = 0; i < I; ++i) {
     const float v = d != nullptr ? s[i] * d[i] : s[i];
     c[i] = accumulate ? c[i] + v : v;

@@ -10,15 +10,6 @@
 
 namespace torchani_fast {
 
-namespace {
-
-template <typename I>
-const I* int_data(const at::Tensor& t) {
-  return t.data_ptr<I>();
-}
-
-}  // namespace
-
 int64_t first_invalid_atom_cpu(const at::Tensor& species, const at::Tensor& coords) {
   TORCH_CHECK(species.dim() == 2 && coords.dim() == 3 && coords.size(0) == species.size(0) &&
                   coords.size(1) == species.size(1) && coords.size(2) == 3,
@@ -42,7 +33,7 @@ int64_t first_invalid_atom_cpu(const at::Tensor& species, const at::Tensor& coor
       }
       return int64_t(-1);
     };
-    bad = s.scalar_type() == at::kLong ? scan(int_data<int64_t>(s)) : scan(int_data<int32_t>(s));
+    bad = s.scalar_type() == at::kLong ? scan(s.data_ptr<int64_t>()) : scan(s.data_ptr<int32_t>());
   });
   return bad;
 }
@@ -59,7 +50,6 @@ std::tuple<at::Tensor, int64_t> convert_species_cpu(const at::Tensor& atomic_num
   const int64_t size = table.size(0), n = z.numel();
   at::Tensor out = at::empty(z.sizes(), table.options());
   int64_t* op = out.data_ptr<int64_t>();
-  int64_t bad = -1;
   // conv[z], z = -1 reading the last entry, as TorchANI's indexing does.
   auto run = [&](auto* zp) {
     for (int64_t i = 0; i < n; ++i) {
@@ -71,7 +61,8 @@ std::tuple<at::Tensor, int64_t> convert_species_cpu(const at::Tensor& atomic_num
     }
     return int64_t(-1);
   };
-  bad = z.scalar_type() == at::kLong ? run(z.data_ptr<int64_t>()) : run(z.data_ptr<int32_t>());
+  const int64_t bad =
+      z.scalar_type() == at::kLong ? run(z.data_ptr<int64_t>()) : run(z.data_ptr<int32_t>());
   return {out, bad};
 }
 

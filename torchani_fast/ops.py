@@ -292,4 +292,3 @@ def _ensemble_mlp_fake(aev, atoms, sizes, columns, first, packs, panels, layers,
     torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
     jac = sum(n * c.shape[0] for n, c in zip(sizes, columns)) if input_grad else 0
     return aev.new_empty((members, aev.shape[0])), aev.new_empty((jac,))
-

@@ -1,4 +1,4 @@
-// Autograd for the AEV ops, in C++ so that a TorchScript model loaded without
+// Autograd for the AEV ops and ensemble_atomic, in C++ so that a TorchScript model loaded without
 // Python (OpenMM-Torch, LAMMPS, torch.jit.load in a bare process) still
 // differentiates, twice (Hessians, force training). Both directions call the ops through the dispatcher, so every
 // backend (CPU, CUDA, Meta) keeps its own kernels.
@@ -197,7 +197,135 @@ struct AevDoubleBackwardDerivs {
   }
 };
 
+// ---------------------------------------------------------------------------
+// ensemble_atomic: the networks' values (members, atoms), differentiable in aev.
+// ---------------------------------------------------------------------------
+
+// PyTorch's CELU backward scales by 1 / float32(alpha) even in float64 (see
+// nn.py, _CELU_INPUT_SCALE): the recomputation uses the same kernel.
+constexpr double kCeluAlpha = 0.1;
+const double kCeluInputScale = 1.0 / static_cast<double>(static_cast<float>(kCeluAlpha));
+constexpr int64_t kRecomputeChunk = 1024;  // atoms per chunk of the recomputation
+
+// d(sum grad * outputs)/dx (n, K) of one group's networks at x (n, K), all
+// members (grad: (members, n)); differentiable ATen ops throughout.
+at::Tensor mlp_input_grad(const at::Tensor& x, const at::Tensor& grad, const at::Tensor& w1,
+                          const std::vector<at::Tensor>& packs, int64_t members) {
+  const int64_t n = x.size(0), layers = (static_cast<int64_t>(packs.size()) + 1) / 2;
+  at::Tensor h = at::addmm(packs[0], x, w1).view({n, members, -1}).transpose(0, 1);
+  std::vector<at::Tensor> pre;
+  for (int64_t l = 1; l < layers; ++l) {
+    pre.push_back(h);
+    h = at::baddbmm(packs[2 * l], at::celu(h, kCeluAlpha), packs[2 * l - 1]);
+  }
+  at::Tensor g = grad.unsqueeze(2);  // (members, n, 1)
+  for (int64_t l = layers - 1; l >= 1; --l) {
+    g = at::elu_backward(at::bmm(g, packs[2 * l - 1].transpose(1, 2)), kCeluAlpha, 1.0,
+                         kCeluInputScale, false, pre[l - 1]);
+  }
+  return g.transpose(0, 1).reshape({n, -1}).mm(w1.t());
+}
+
+class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
+ public:
+  // The weights are constants (packed copies that never require grad): kept
+  // in saved_data, not as inputs.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& aev, const at::Tensor& atoms,
+                            std::vector<int64_t> sizes, std::vector<at::Tensor> columns,
+                            std::vector<at::Tensor> first, std::vector<at::Tensor> packs,
+                            std::vector<at::Tensor> panels, std::vector<int64_t> layers,
+                            int64_t members) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("torchani_fast::ensemble_mlp", "")
+                               .typed<std::tuple<at::Tensor, at::Tensor>(
+                                   const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                                   at::TensorList, at::TensorList, at::TensorList,
+                                   at::TensorList, at::IntArrayRef, int64_t, bool)>();
+    auto [values, jac] = op.call(aev, atoms, sizes, columns, first, packs, panels, layers,
+                                 members, true);
+    ctx->save_for_backward({aev});
+    ctx->saved_data["atoms"] = atoms;
+    ctx->saved_data["jac"] = jac;
+    ctx->saved_data["sizes"] = sizes;
+    ctx->saved_data["columns"] = columns;
+    ctx->saved_data["first"] = first;
+    ctx->saved_data["packs"] = packs;
+    ctx->saved_data["layers"] = layers;
+    ctx->saved_data["members"] = members;
+    return values;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const at::Tensor aev = ctx->get_saved_variables()[0];
+    const at::Tensor grad = grads[0];
+    const at::Tensor atoms = ctx->saved_data["atoms"].toTensor();
+    const auto sizes = ctx->saved_data["sizes"].toIntVector();
+    const auto columns = ctx->saved_data["columns"].toTensorVector();
+    tensor_list out(9);
+    // Grad mode is on here only under create_graph=True: then the backward is
+    // recorded, so that it can be differentiated again.
+    if (!at::GradMode::is_enabled()) {
+      static const auto op = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("torchani_fast::ensemble_mlp_backward", "")
+                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                   at::IntArrayRef, at::TensorList,
+                                                   const at::Tensor&, int64_t)>();
+      at::Tensor g = op.call(grad, atoms, sizes, columns, ctx->saved_data["jac"].toTensor(),
+                             aev.size(1));
+      if (g.dim() == 2) {  // every member had the same incoming gradient: grad * J
+        out[0] = g;
+        return out;
+      }
+    }
+    const auto first = ctx->saved_data["first"].toTensorVector();
+    const auto packs = ctx->saved_data["packs"].toTensorVector();
+    const auto layers = ctx->saved_data["layers"].toIntVector();
+    const int64_t members = ctx->saved_data["members"].toInt();
+    const bool differentiable = at::GradMode::is_enabled();
+    at::Tensor result = at::zeros_like(aev);
+    int64_t row = 0, pack = 0;
+    for (size_t g = 0; g < sizes.size(); ++g) {
+      const std::vector<at::Tensor> group_packs(packs.begin() + pack,
+                                                packs.begin() + pack + 2 * layers[g] - 1);
+      const at::Tensor& cols = columns[g];
+      const bool all_columns = cols.numel() == aev.size(1);
+      for (int64_t r0 = 0; r0 < sizes[g]; r0 += kRecomputeChunk) {
+        const at::Tensor chunk = atoms.narrow(0, row + r0, std::min(kRecomputeChunk, sizes[g] - r0));
+        at::Tensor x = aev.index_select(0, chunk);
+        if (!all_columns) x = x.index_select(1, cols);
+        const at::Tensor gx = mlp_input_grad(x, grad.index_select(1, chunk), first[g], group_packs,
+                                             members);
+        c10::List<std::optional<at::Tensor>> index;
+        index.push_back(all_columns ? chunk : chunk.unsqueeze(1));
+        if (!all_columns) index.push_back(cols.unsqueeze(0));
+        result = differentiable ? at::index_put(result, index, gx) : result.index_put_(index, gx);
+      }
+      row += sizes[g];
+      pack += 2 * layers[g] - 1;
+    }
+    out[0] = result;
+    return out;
+  }
+};
+
 }  // namespace
+
+at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& atoms,
+                                    at::IntArrayRef sizes, at::TensorList columns,
+                                    at::TensorList first, at::TensorList packs,
+                                    at::TensorList panels, at::IntArrayRef layers,
+                                    int64_t members) {
+  if (!(at::GradMode::is_enabled() && aev.requires_grad())) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("torchani_fast::ensemble_atomic", "")
+                               .typed<decltype(ensemble_atomic_autograd)>();
+    return op.call(aev, atoms, sizes, columns, first, packs, panels, layers, members);
+  }
+  return EnsembleFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first.vec(), packs.vec(),
+                                 panels.vec(), layers.vec(), members);
+}
 
 std::tuple<at::Tensor, at::Tensor> neighbor_pairs_autograd(
     const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,

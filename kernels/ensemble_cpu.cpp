@@ -444,6 +444,14 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
                                    input_grad);
 }
 
+at::Tensor ensemble_atomic_cpu(const at::Tensor& aev, const at::Tensor& atoms,
+                               at::IntArrayRef sizes, at::TensorList columns,
+                               at::TensorList first, at::TensorList packs,
+                               at::TensorList panels, at::IntArrayRef layers, int64_t members) {
+  return std::get<0>(ensemble_mlp_cpu(aev, atoms, sizes, columns, first, packs, panels, layers,
+                                      members, false));
+}
+
 at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,
                                      at::IntArrayRef sizes, at::TensorList columns,
                                      const at::Tensor& jacobian, int64_t features) {

@@ -225,6 +225,23 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
                                      at::IntArrayRef sizes, at::TensorList columns,
                                      const at::Tensor& jacobian, int64_t features);
 
+// ensemble_mlp's values as a differentiable op (w.r.t. aev; the weights are
+// constants), for TorchScript models, which cannot call a Python autograd
+// Function: the CPU kernel returns the values; the Autograd kernel
+// (autograd.cpp) also keeps J when aev requires grad, and its backward is
+// ensemble_mlp_backward for the gradient of an ensemble mean, otherwise (other
+// incoming gradients, create_graph=True) a recomputation with differentiable
+// ATen ops, so that it can be differentiated again.
+at::Tensor ensemble_atomic_cpu(const at::Tensor& aev, const at::Tensor& atoms,
+                               at::IntArrayRef sizes, at::TensorList columns,
+                               at::TensorList first, at::TensorList packs,
+                               at::TensorList panels, at::IntArrayRef layers, int64_t members);
+at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& atoms,
+                                    at::IntArrayRef sizes, at::TensorList columns,
+                                    at::TensorList first, at::TensorList packs,
+                                    at::TensorList panels, at::IntArrayRef layers,
+                                    int64_t members);
+
 // Input validation in one pass (validate_cpu.cpp; torchani_fast/validation.py
 // words the errors). first_invalid_atom: the flat index of the first atom with
 // species < -1, or species >= 0 and a non-finite coordinate; -1 if none.

@@ -12,7 +12,7 @@ TORCH_LIBRARY(torchani_fast, m) {
   using namespace torchani_fast::schema;
   for (const char* schema : {kNeighborPairs, kNeighborPairsPadded, kAev, kAevBackward, kAevJvp,
                              kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
-                             kEnsembleMlpBackward, kFirstInvalidAtom, kConvertSpecies}) {
+                             kEnsembleMlpBackward, kEnsembleAtomic, kFirstInvalidAtom, kConvertSpecies}) {
     m.def(schema);
   }
 }
@@ -28,6 +28,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("aev_local_derivatives", &AevLocalDerivativesOp::flat<&aev_local_derivatives_cpu>);
   m.impl("ensemble_mlp", &ensemble_mlp_cpu);
   m.impl("ensemble_mlp_backward", &ensemble_mlp_backward_cpu);
+  m.impl("ensemble_atomic", &ensemble_atomic_cpu);
   m.impl("first_invalid_atom", &first_invalid_atom_cpu);
   m.impl("convert_species", &convert_species_cpu);
 }
@@ -54,6 +55,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
   m.impl("aev_jvp", &AevBackwardOp::flat<&aev_jvp_autograd>);
   m.impl("aev_double_backward", &AevDoubleBackwardOp::flat<&aev_double_backward_autograd>);
   m.impl("aev_local_derivatives", &AevLocalDerivativesOp::flat<&aev_local_derivatives_autograd>);
+  m.impl("ensemble_atomic", &ensemble_atomic_autograd);
 }
 
 // `from torchani_fast import _C` runs the static registrations above; the module

@@ -32,6 +32,9 @@ constexpr const char* kEnsembleMlp =
 constexpr const char* kEnsembleMlpBackward =
     "ensemble_mlp_backward(Tensor grad_values, Tensor atoms, int[] sizes, Tensor[] columns, "
     "Tensor jacobian, int features) -> Tensor";
+constexpr const char* kEnsembleAtomic =
+    "ensemble_atomic(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
+    "Tensor[] packs, Tensor[] panels, int[] layers, int members) -> Tensor";
 constexpr const char* kFirstInvalidAtom = "first_invalid_atom(Tensor species, Tensor coords) -> int";
 constexpr const char* kConvertSpecies =
     "convert_species(Tensor atomic_nums, Tensor conv) -> (Tensor elem_idxs, int first_invalid)";

@@ -192,3 +192,74 @@ def test_nan_input_gives_nan(dtype):
     others = torch.ones(aev.shape[0], dtype=torch.bool)
     others[atoms[3]] = False
     assert torch.isfinite(values[:, others]).all()
+
+
+# --- ensemble_atomic: the op TorchScript models call, differentiable in C++ ------------------
+
+
+def reference_values(x, atoms, sizes, columns, mlps):
+    """Values (members, rows of x) as a differentiable function of x, plain PyTorch."""
+    out = x.new_zeros((mlps[0][0][0].shape[0], x.shape[0]))
+    for atoms_g, cols, (ws, bs) in zip(atoms.split(sizes), columns, mlps):
+        outs = []
+        for m in range(ws[0].shape[0]):
+            h = x[atoms_g][:, cols]
+            for l, (w, b) in enumerate(zip(ws, bs)):
+                h = h @ w[m] + b[m]
+                if l + 1 < len(ws):
+                    h = torch.nn.functional.celu(h, 0.1)
+            outs.append(h[:, 0])
+        out = out.index_copy(1, atoms_g, torch.stack(outs))
+    return out
+
+
+@pytest.mark.parametrize("case", ["ani-like", "two-atoms", "linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_ensemble_atomic_values_and_gradients(case, dtype):
+    widths, cols, sizes = CASES[case]
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(dtype, 3, widths, cols, sizes)
+    panels = panels_of(first, packs, layers, 3) if dtype == torch.float32 and widths else []
+    args = (atoms, sizes, columns, first, packs, panels, layers, 3)
+    expected_values = op(aev, atoms, sizes, columns, first, packs, panels, layers, 3, False)[0]
+    assert torch.equal(torch.ops.torchani_fast.ensemble_atomic(aev, *args), expected_values)
+    x = aev.clone().requires_grad_(True)
+    values = torch.ops.torchani_fast.ensemble_atomic(x, *args)
+    assert torch.equal(values.detach(), expected_values)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
+    g = torch.Generator().manual_seed(1)
+    # The same gradient for every member (grad * J) and a different one per
+    # member (recomputation), against autograd through plain PyTorch.
+    for weights in (torch.rand(aev.shape[0], generator=g, dtype=dtype).expand(3, -1),
+                    torch.rand(3, aev.shape[0], generator=g, dtype=dtype)):
+        (grad,) = torch.autograd.grad((torch.ops.torchani_fast.ensemble_atomic(x, *args) * weights).sum(), x)
+        (grad_ref,) = torch.autograd.grad((reference_values(x, atoms, sizes, columns, mlps) * weights).sum(), x)
+        torch.testing.assert_close(grad, grad_ref, **tol)
+    if not widths:
+        return  # one linear layer: no second derivative
+    # create_graph=True: the backward is differentiable (Hessian-vector products).
+    weights = torch.rand(aev.shape[0], generator=g, dtype=dtype).expand(3, -1)
+    tangent = torch.rand(aev.shape, generator=g, dtype=dtype)
+    hvps = []
+    for f in (lambda y: torch.ops.torchani_fast.ensemble_atomic(y, *args),
+              lambda y: reference_values(y, atoms, sizes, columns, mlps)):
+        (grad,) = torch.autograd.grad((f(x) * weights).sum(), x, create_graph=True)
+        hvps.append(torch.autograd.grad((grad * tangent).sum(), x)[0])
+    torch.testing.assert_close(hvps[0], hvps[1], **tol)
+
+
+def test_ensemble_atomic_gradcheck():
+    widths, cols, sizes = [8, 4], [6, 10], [4, 3]
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float64, 2, widths, cols, sizes, features=12)
+    f = lambda y: torch.ops.torchani_fast.ensemble_atomic(y, atoms, sizes, columns, first, packs, [], layers, 2)  # noqa: E731
+    x = aev.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(f, (x,))
+    assert torch.autograd.gradgradcheck(f, (x,))
+
+
+def test_ensemble_atomic_opcheck():
+    widths, cols, sizes = CASES["ani-like"]
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float32, 2, widths, cols, sizes)
+    panels = panels_of(first, packs, layers, 2)
+    torch.library.opcheck(torch.ops.torchani_fast.ensemble_atomic.default,
+                          (aev, atoms, sizes, columns, first, packs, panels, layers, 2),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -391,6 +391,41 @@ def test_torchscript_save_load(tmp_path):
         ref.set_active_members(list(range(8)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_torchscript_cpu_uses_the_op_and_its_gradients_match(dtype):
+    # A scripted CPU model evaluates the networks with torchani_fast::ensemble_atomic,
+    # whose autograd is C++: forces (grad * J), gradients of per-member values
+    # and QBCs (recomputed) and a Hessian-vector product (create_graph=True)
+    # all match TorchANI's.
+    ref, fast = model_pair("ANI2x", dtype)
+    scripted = torch.jit.script(fast)
+    species, coords = padded_batch(BATCHES["ANI2x"], dtype)
+    with torch.profiler.profile() as prof:
+        e, f = energy_forces(scripted, species, coords)
+    names = {evt.name for evt in prof.events()}
+    assert "torchani_fast::ensemble_atomic" in names, sorted(n for n in names if "torchani_fast" in n)
+    e_ref, f_ref = energy_forces(ref, species, coords)
+    assert_energies(e, e_ref, dtype)
+    assert_forces(f, f_ref, dtype)
+    tol = dict(rtol=0, atol=1e-9) if dtype == torch.float64 else dict(rtol=0, atol=5e-5)
+    weights = torch.rand(8, species.shape[0], dtype=dtype, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for model in (scripted, ref):
+        x = coords.clone().requires_grad_(True)
+        members = model((species, x), None, None, 0, False, True).energies  # (members, molecules)
+        qbcs = model.energies_qbcs((species, x)).qbcs
+        grads.append(torch.autograd.grad((members * weights).sum() + qbcs[:-1].sum(), x)[0])
+    torch.testing.assert_close(grads[0], grads[1], **tol)
+    if dtype == torch.float64:
+        tangent = torch.rand(coords.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
+        hvps = []
+        for model in (scripted, ref):
+            x = coords.clone().requires_grad_(True)
+            (g,) = torch.autograd.grad(model((species, x)).energies.sum(), x, create_graph=True)
+            hvps.append(torch.autograd.grad((g * tangent).sum(), x)[0])
+        torch.testing.assert_close(hvps[0], hvps[1], rtol=0, atol=1e-8)
+
+
 def test_torchscript_weight_gradients():
     ref, fast = model_pair("ANI1x", torch.float64)
     species, coords = padded_batch(BATCHES["ANI1x"], torch.float64)

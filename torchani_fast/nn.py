@@ -5,7 +5,7 @@ each a chain of small matrix products. :class:`FusedEnsemble` evaluates, for eac
 element present in the input, all active members together, CELU(alpha=0.1)
 after every layer but the last:
 
-- **CPU (eager)**: one C++ op for all groups and members, ``ensemble_mlp``
+- **CPU** (eager and TorchScript): one C++ op for all groups and members, ``ensemble_mlp``
   (``kernels/ensemble_cpu.cpp``). Per block of up to 96 atoms and member it runs the
   forward pass and, when forces are wanted, the input gradient of the members'
   sum, J = d(sum_k out_k)/dx, right after it, with the member's weights still in
@@ -14,7 +14,11 @@ after every layer but the last:
   16-column panel copies of the weights (W and W^T; blocks of 1-2 atoms take
   their backward from W, which the forward has just read), made once and cached;
   other CPUs and float64 call BLAS. ``native_cpu = False`` turns it off.
-- **Elsewhere** (CUDA, TorchScript, training): layer 1 as one wide GEMM
+  Eager models call it through a Python autograd Function (``_Recompute``);
+  scripted ones through ``ensemble_atomic``, the same kernels with their
+  autograd in C++ (``kernels/autograd.cpp``), so a model saved with
+  ``torch.jit.save`` and loaded without Python (OpenMM-Torch) gets them too.
+- **Elsewhere** (CUDA, training): layer 1 as one wide GEMM
   ``(atoms, K) @ (K, members * width)`` (a batched GEMM over the members for
   groups of up to ``small_group_atoms``), later layers as one batched GEMM
   (``baddbmm``) over the members, through autograd.
@@ -61,7 +65,8 @@ can be differentiated again (Hessians). On other devices autograd keeps every
 layer's pre-activation: about 19 kB per atom for ANI-2x (8 members); when that
 exceeds ``recompute_min_bytes_gpu`` (1 GiB) the same chunked recomputation is
 used instead (``recompute_min_bytes``, 64 MiB, applies to a CPU module with
-``native_cpu = False``). A scripted module always keeps the activations.
+``native_cpu = False``). A scripted module on another device keeps the
+activations.
 """
 import operator
 import struct
@@ -225,7 +230,8 @@ class _FusedBase(AtomicContainer):
         Needed after changing frozen parameters in place (``p.data`` edits,
         ``p.copy_`` under ``no_grad``); ``load_state_dict`` and ``.to()`` clear it.
         A scripted module saves its cache with it: clear it before ``torch.jit.save``
-        to keep the file the size of TorchANI's (55 MB for ANI-2x, not ~75 MB).
+        to keep the file the size of TorchANI's (55 MB for ANI-2x; 140 MB after
+        a CPU call on a CHNOS molecule, whose packs and panels would be saved too).
         """
         if torch.jit.is_scripting():
             self._jit_cache.clear()
@@ -261,10 +267,18 @@ class _FusedBase(AtomicContainer):
         """``_member_atomic`` once the groups are known: no host synchronisation."""
         act = self._evaluated_members()
         k = len(act)
-        if not torch.jit.is_scripting() and aev.device.type == "cpu" and self.native_cpu:
-            native = self._native_values(aev, atoms, act, group_elem, group_mask, group_size)
-            if native is not None:
-                return native
+        if aev.device.type == "cpu" and self.native_cpu:
+            if not torch.jit.is_scripting():
+                native = self._native_values(aev, atoms, act, group_elem, group_mask, group_size)
+                if native is not None:
+                    return native
+            elif not self._needs_weight_grad():
+                # TorchScript: the same C++ kernels through ensemble_atomic, whose
+                # autograd is in C++ (a model loaded without Python differentiates).
+                columns, first, packs, panels, layers = self._op_args(
+                    act, group_elem, group_mask, self._cached_hidden(act), True)
+                return torch.ops.torchani_fast.ensemble_atomic(
+                    aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k)
         ws: tp.List[tp.List[tp.List[Tensor]]] = []
         training = self._needs_weight_grad()
         if training:
@@ -353,22 +367,28 @@ class _FusedBase(AtomicContainer):
             return None  # nothing built or cached: the weights may change in place
         if plan is not None:
             return plan
-        plan = _NativePlan(self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True), params)
+        with torch.inference_mode(False):  # panels usable by later calls with forces
+            plan = _NativePlan(self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True), params)
         if len(self._native_plans) >= self.max_first_layer_packs:
             self._native_plans.pop(next(iter(self._native_plans)))  # the oldest
         self._native_plans[key] = plan
         return plan
 
-    @torch.jit.unused
     def _op_args(self, act: tp.List[int], group_elem: tp.List[int], group_mask: tp.List[int],
-                 hidden: tp.List[Tensor], with_panels: bool) -> tp.Tuple:
+                 hidden: tp.List[Tensor], with_panels: bool
+                 ) -> tp.Tuple[tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], tp.List[int]]:
         """(columns, first, packs, panels, layers) of these groups, as ``ensemble_mlp``
         takes them. Panels only when asked for, float32 and every width a multiple
         of 16; else an empty list."""
-        columns, first, packs, layers, panels = [], [], [], [], []
+        columns: tp.List[Tensor] = []
+        first: tp.List[Tensor] = []
+        packs: tp.List[Tensor] = []
+        panels: tp.List[Tensor] = []
+        layers: tp.List[int] = []
         use_panels = with_panels and self._probe.dtype == torch.float32
-        for e, mask in zip(group_elem, group_mask):
-            cached = self._cached_first(act, e, mask)
+        for g in range(len(group_elem)):
+            e = group_elem[g]
+            cached = self._cached_first(act, e, group_mask[g])
             o = self.offsets[e]
             hidden_e = hidden[o:o + 2 * self.num_layers[e] - 1]
             columns.append(cached[0])
@@ -377,13 +397,16 @@ class _FusedBase(AtomicContainer):
             layers.append(self.num_layers[e])
             if use_panels:
                 group_panels = self._panels(act, e, cached, hidden_e)
-                use_panels = group_panels is not None
-                if use_panels:
+                if group_panels is None:
+                    use_panels = False
+                else:
                     panels.extend(group_panels)
-        return (columns, first, packs, panels if use_panels else [], layers)
+        if not use_panels:
+            panels = []
+        return (columns, first, packs, panels, layers)
 
-    @torch.jit.unused
-    def _panels(self, act: tp.List[int], elem: int, first: tp.List[Tensor], hidden_e: tp.List[Tensor]):
+    def _panels(self, act: tp.List[int], elem: int, first: tp.List[Tensor],
+                hidden_e: tp.List[Tensor]) -> tp.Optional[tp.List[Tensor]]:
         """float32 panel copies of one group's hidden-layer weights for ensemble_mlp, cached.
 
         Per hidden layer, W as (k, d_out/16, d_in, 16) and W^T as (k, d_in/16,
@@ -393,19 +416,22 @@ class _FusedBase(AtomicContainer):
         """
         k = len(act)
         w1 = first[1]
-        widths = [w1.shape[0], w1.shape[1] // k] + [w.shape[2] for w in hidden_e[1:-2:2]]
-        if any(w % 16 for w in widths):
+        if w1.shape[0] % 16 != 0 or (w1.shape[1] // k) % 16 != 0:
             return None
+        for l in range(1, len(hidden_e) - 2, 2):  # W_2 .. W_{L-1}: (k, d_in, d_out)
+            if hidden_e[l].shape[2] % 16 != 0:
+                return None
         if len(first) == 2:
             first.extend(_panel_pair(w1.view(w1.shape[0], k, -1).transpose(0, 1)))
         cache = self._cache()
         key = -(1 << 40) * (elem + 1) - _bitmask(act)
         later = cache.get(key)
         if later is None:
-            later = []
-            for w in hidden_e[1:-2:2]:  # W_2 .. W_{L-1}: (k, d_in, d_out)
-                later.extend(_panel_pair(w))
-            cache[key] = later
+            built: tp.List[Tensor] = []
+            for l in range(1, len(hidden_e) - 2, 2):
+                built.extend(_panel_pair(hidden_e[l]))
+            cache[key] = built
+            later = built
         return first[2:4] + later
 
     @torch.jit.unused
@@ -810,8 +836,8 @@ def _first_layer(x: Tensor, w1: Tensor, b1: Tensor, k: int, small: int) -> Tenso
 
 def _panel_pair(w: Tensor) -> tp.List[Tensor]:
     """W (k, d_in, d_out) as 16-column panels: [(k, d_out/16, d_in, 16), W^T's (k, d_in/16, d_out, 16)]."""
-    k, d_in, d_out = w.shape
-    with torch.inference_mode(False), torch.no_grad():
+    k, d_in, d_out = w.shape[0], w.shape[1], w.shape[2]
+    with torch.no_grad():
         fwd = w.reshape(k, d_in, d_out // 16, 16).permute(0, 2, 1, 3).contiguous()
         bwd = w.reshape(k, d_in // 16, 16, d_out).permute(0, 1, 3, 2).contiguous()
     return [fwd, bwd]

@@ -292,3 +292,10 @@ def _ensemble_mlp_fake(aev, atoms, sizes, columns, first, packs, panels, layers,
     torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
     jac = sum(n * c.shape[0] for n, c in zip(sizes, columns)) if input_grad else 0
     return aev.new_empty((members, aev.shape[0])), aev.new_empty((jac,))
+
+
+@torch.library.register_fake("torchani_fast::ensemble_atomic")
+def _ensemble_atomic_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members):
+    torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
+    torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
+    return aev.new_empty((members, aev.shape[0]))

@@ -247,6 +247,18 @@ def test_ensemble_atomic_values_and_gradients(case, dtype):
     torch.testing.assert_close(hvps[0], hvps[1], **tol)
 
 
+def test_ensemble_atomic_recomputes_in_chunks():
+    # Per-member gradients recompute the activations 1024 atoms at a time: a
+    # group of 1100 atoms spans two chunks.
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float64, 2, [16], [24, 16], [1100, 30], features=32)
+    x = aev.clone().requires_grad_(True)
+    weights = torch.rand(2, aev.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    values = torch.ops.torchani_fast.ensemble_atomic(x, atoms, sizes, columns, first, packs, [], layers, 2)
+    (grad,) = torch.autograd.grad((values * weights).sum(), x)
+    (grad_ref,) = torch.autograd.grad((reference_values(x, atoms, sizes, columns, mlps) * weights).sum(), x)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-14)
+
+
 def test_ensemble_atomic_gradcheck():
     widths, cols, sizes = [8, 4], [6, 10], [4, 3]
     aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float64, 2, widths, cols, sizes, features=12)

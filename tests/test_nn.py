@@ -288,6 +288,22 @@ def recompute_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Counts the evaluations by the C++ op (ensemble_atomic)."""
+    calls = []
+    native_values = torchani_fast.nn._FusedBase._native_values
+
+    def counted(self, *args):
+        out = native_values(self, *args)
+        if out is not None:
+            calls.append(1)
+        return out
+
+    monkeypatch.setattr(torchani_fast.nn._FusedBase, "_native_values", counted)
+    return calls
+
+
 def _no_activation_budget(model):
     nets = model.potentials["nnp"].neural_networks
     nets.recompute_min_bytes = 0
@@ -296,9 +312,10 @@ def _no_activation_budget(model):
 
 @pytest.mark.parametrize("native", [True, False], ids=["cxx", "python"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-def test_recomputing_path_matches_torchani(dtype, device, recompute_calls, native):
-    # On the CPU the C++ op (ensemble_mlp) evaluates every eager call and keeps no
-    # activations; otherwise large inputs do so, forced here with a zero budget.
+def test_recomputing_path_matches_torchani(dtype, device, recompute_calls, native_calls, native):
+    # On the CPU the C++ op (ensemble_atomic) evaluates every eager call and keeps
+    # no activations (its C++ backward recomputes them when it must); otherwise
+    # large inputs take _Recompute, forced here with a zero budget.
     if native and device != "cpu":
         pytest.skip("the C++ networks op is CPU-only")
     ref, fast = model_pair("ANI2x", dtype)
@@ -307,12 +324,13 @@ def test_recomputing_path_matches_torchani(dtype, device, recompute_calls, nativ
     species, coords = (t.to(device) for t in padded_batch(BATCHES["ANI2x"], dtype))
     e_ref, f_ref = energy_forces(ref, species, coords)
     e, f = energy_forces(fast, species, coords)
-    assert bool(recompute_calls) == native  # else a small input keeps the activations
+    assert bool(native_calls) == native
+    assert not recompute_calls  # a small input keeps the activations
     assert_energies(e, e_ref, dtype)
     assert_forces(f, f_ref, dtype)
     _no_activation_budget(fast)
     e, f = energy_forces(fast, species, coords)
-    assert recompute_calls
+    assert bool(recompute_calls) == (not native)  # the op needs no budget
     assert_energies(e, e_ref, dtype)
     assert_forces(f, f_ref, dtype)
     # Backward passes whose incoming gradient differs between members (per-member
@@ -345,25 +363,30 @@ def test_recomputing_path_matches_torchani(dtype, device, recompute_calls, nativ
     assert len(recompute_calls) == calls
 
 
-def test_recomputing_path_second_derivatives(recompute_calls):
-    # The recomputing backward is differentiable: Hessians equal TorchANI's, and
-    # gradgradcheck on the networks alone (w.r.t. AEVs and the incoming gradient).
+@pytest.mark.parametrize("native", [True, False], ids=["cxx", "python"])
+def test_recomputing_path_second_derivatives(recompute_calls, native_calls, native):
+    # The recomputing backward (C++ in ensemble_atomic, or _Recompute's) is
+    # differentiable: Hessians equal TorchANI's, and gradgradcheck on the
+    # networks alone (w.r.t. AEVs and the incoming gradient).
+    calls = native_calls if native else recompute_calls
     ref, fast = model_pair("ANI2x", torch.float64)
+    fast.potentials["nnp"].neural_networks.native_cpu = native
     _no_activation_budget(fast)
     assert_hessians_match(ref, fast)
-    assert recompute_calls
+    assert calls
 
     ref1, fast1 = model_pair("ANI1x", torch.float64)
     nets = fast1.potentials["nnp"].neural_networks
+    nets.native_cpu = native
     _no_activation_budget(fast1)
     nets.set_active_members([1, 6])
     elem = torch.tensor([[1, 0, -1, 3]])  # C H pad O
     torch.manual_seed(0)
     aev = fast1.potentials["nnp"].aev_computer(elem, torch.randn(1, 4, 3, dtype=torch.float64) * 1.5)
     aev = (aev + 0.01 * torch.rand_like(aev)).requires_grad_(True)
-    calls = len(recompute_calls)
+    before = len(calls)
     torch.autograd.gradgradcheck(lambda a: nets(elem, a, atomic=True), (aev,))
-    assert len(recompute_calls) > calls
+    assert len(calls) > before
 
 
 def test_torchscript_save_load(tmp_path):

@@ -14,10 +14,10 @@ after every layer but the last:
   16-column panel copies of the weights (W and W^T; blocks of 1-2 atoms take
   their backward from W, which the forward has just read), made once and cached;
   other CPUs and float64 call BLAS. ``native_cpu = False`` turns it off.
-  Eager models call it through a Python autograd Function (``_Recompute``);
-  scripted ones through ``ensemble_atomic``, the same kernels with their
-  autograd in C++ (``kernels/autograd.cpp``), so a model saved with
-  ``torch.jit.save`` and loaded without Python (OpenMM-Torch) gets them too.
+  Eager and scripted models call it through ``ensemble_atomic``, the same
+  kernels with their autograd in C++ (``kernels/autograd.cpp``), so a model
+  saved with ``torch.jit.save`` and loaded without Python (OpenMM-Torch) gets
+  them too.
 - **Elsewhere** (CUDA, training): layer 1 as one wide GEMM
   ``(atoms, K) @ (K, members * width)`` (a batched GEMM over the members for
   groups of up to ``small_group_atoms``), later layers as one batched GEMM
@@ -60,7 +60,7 @@ writes each atom's values in its own column (no scatter afterwards).
 **Backward passes.** The usual backward (energies, atomic energies or forces of
 an ensemble mean: the same incoming gradient for every member) is ``grad * J``.
 Any other (per-member values, QBCs, ``create_graph=True``) recomputes the
-activations a chunk of atoms at a time with differentiable PyTorch ops, so it
+activations a chunk of atoms at a time with differentiable ATen ops, so it
 can be differentiated again (Hessians). On other devices autograd keeps every
 layer's pre-activation: about 19 kB per atom for ANI-2x (8 members); when that
 exceeds ``recompute_min_bytes_gpu`` (1 GiB) the same chunked recomputation is
@@ -106,7 +106,7 @@ class _FusedBase(AtomicContainer):
     recompute_min_bytes: int
     recompute_min_bytes_gpu: int
     small_group_atoms: int
-    native_cpu: bool  # eager CPU calls use the C++ op ensemble_mlp (see the module doc)
+    native_cpu: bool  # CPU calls use the C++ op ensemble_atomic (see the module doc)
     num_layers: tp.List[int]  # per element: number of Linear layers (hidden + final)
     hidden_widths: tp.List[int]  # per element: sum of the hidden layers' widths
     offsets: tp.List[int]  # per element: first index of its packs in the hidden entry
@@ -330,24 +330,22 @@ class _FusedBase(AtomicContainer):
     ) -> Tensor:
         """Values (k, atoms) of the groups by ``_Recompute`` in PyTorch, keeping no activations."""
         args = self._op_args(act, group_elem, group_mask, hidden, False)
-        return _Recompute.apply(aev, atoms, group_size, args, len(act), self.small_group_atoms, False)
+        return _Recompute.apply(aev, atoms, group_size, args, len(act), self.small_group_atoms)
 
     @torch.jit.unused
     def _native_values(
         self, aev: Tensor, atoms: Tensor, act: tp.List[int], group_elem: tp.List[int],
         group_mask: tp.List[int], group_size: tp.List[int],
     ) -> tp.Optional[Tensor]:
-        """Values (k, atoms) from the C++ op ``ensemble_mlp``, or None while a
+        """Values (k, atoms) from the C++ op ``ensemble_atomic``, or None while a
         parameter it would use requires grad: training takes the PyTorch path,
         which packs on every call (an optimizer step changes the weights in place,
         unseen by the cache), with or without grad mode."""
         plan = self._native_plan(act, group_elem, group_mask)
         if plan is None:
             return None
-        if torch.is_grad_enabled() and aev.requires_grad:
-            return _Recompute.apply(aev, atoms, group_size, plan.op_args, len(act), self.small_group_atoms, True)
-        return torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), atoms, group_size, *plan.op_args,
-                                                    len(act), False)[0]
+        return torch.ops.torchani_fast.ensemble_atomic(aev.contiguous(), atoms, group_size, *plan.op_args,
+                                                       len(act))
 
     @torch.jit.unused
     def _native_plan(self, act: tp.List[int], group_elem: tp.List[int],
@@ -914,34 +912,24 @@ def _per_group(args: tp.Tuple, features: int) -> tp.List:
 class _Recompute(torch.autograd.Function):
     """Atomic energies (k, atoms) of all groups without keeping the activations for backward.
 
-    ``atoms`` (grouped, runs of ``sizes``) are the evaluated rows of ``aev``;
-    ``args`` are the groups' weights as ``ensemble_mlp`` takes them (columns,
-    layer-1 weights (K, k*d1), the other packs, panels, layers). The weights are
-    constants here (the path is only taken when they need no grad).
-
-    With ``native`` (CPU) the forward pass is the C++ op ensemble_mlp, which also
-    returns, per atom, the derivative of the sum over members,
-    J = d(sum_k out_k)/dx (the used AEV columns only: about 10% of the
-    activations' size). When the incoming gradient is the same for every
-    member, which is the case of energies, atomic energies and forces of an
-    ensemble mean, the backward is ``grad * J`` (ensemble_mlp_backward).
-    Otherwise (per-member values, QBC, create_graph=True, or without
-    ``native``) the backward recomputes the activations a chunk at a time.
+    For inputs whose activations would exceed the memory budget where the C++
+    op does not run (other devices, ``native_cpu = False``). ``atoms`` (grouped,
+    runs of ``sizes``) are the evaluated rows of ``aev``; ``args`` are the
+    groups' weights as ``ensemble_mlp`` takes them (columns, layer-1 weights
+    (K, k*d1), the other packs, panels, layers), constants here (the path is
+    only taken when they need no grad). The backward recomputes the activations
+    a chunk of atoms at a time, differentiably under ``create_graph=True``.
     """
 
     @staticmethod
-    def forward(ctx, aev: Tensor, atoms: Tensor, sizes: tp.List[int], args: tp.Tuple, k: int, small: int,
-                native: bool) -> Tensor:
+    def forward(ctx, aev: Tensor, atoms: Tensor, sizes: tp.List[int], args: tp.Tuple, k: int,
+                small: int) -> Tensor:
         ctx.atoms = atoms
         ctx.sizes = sizes
         ctx.args = args
         ctx.k = k
         ctx.small = small
         ctx.save_for_backward(aev)
-        ctx.jac = None
-        if native:  # CPU: the C++ op, values and J in one pass
-            values, ctx.jac = torch.ops.torchani_fast.ensemble_mlp(aev.contiguous(), atoms, sizes, *args, k, True)
-            return values
         outs = []
         for atoms_g, (cols, w1, packs) in zip(atoms.split(sizes), _per_group(args, aev.shape[1])):
             for chunk in atoms_g.split(RECOMPUTE_CHUNK_ATOMS):
@@ -954,13 +942,6 @@ class _Recompute(torch.autograd.Function):
         # Grad mode is on here only under create_graph=True: then the backward is
         # recorded (out-of-place writes) and can be differentiated again.
         differentiable = torch.is_grad_enabled()
-        jac, ctx.jac = ctx.jac, None
-        if jac is not None and not differentiable:
-            # grad_out[0] * J when every member has the same incoming gradient.
-            grad = torch.ops.torchani_fast.ensemble_mlp_backward(
-                grad_out, ctx.atoms, ctx.sizes, ctx.args[0], jac, aev.shape[1])
-            if grad.dim() == 2:
-                return grad, None, None, None, None, None, None
         grad = aev.new_zeros(aev.shape)
         for atoms_g, (cols, w1, packs) in zip(ctx.atoms.split(ctx.sizes), _per_group(ctx.args, aev.shape[1])):
             for chunk in atoms_g.split(RECOMPUTE_CHUNK_ATOMS):
@@ -968,7 +949,7 @@ class _Recompute(torch.autograd.Function):
                 gx = _mlp_input_grad(grad_out.index_select(1, chunk), w1, packs, pre, ctx.k, ctx.small)
                 index = (chunk,) if cols is None else (chunk.unsqueeze(1), cols.unsqueeze(0))
                 grad = grad.index_put(index, gx) if differentiable else grad.index_put_(index, gx)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def aev_columns(present: tp.List[bool], r: int, w: int, triu: tp.List[tp.List[int]]) -> tp.List[int]:

@@ -1,7 +1,8 @@
-// Autograd for the AEV ops and ensemble_atomic, in C++ so that a TorchScript model loaded without
-// Python (OpenMM-Torch, LAMMPS, torch.jit.load in a bare process) still
-// differentiates, twice (Hessians, force training). Both directions call the ops through the dispatcher, so every
-// backend (CPU, CUDA, Meta) keeps its own kernels.
+// Autograd for the AEV ops and for ensemble_atomic (the fused networks), in C++
+// so that a TorchScript model loaded without Python (OpenMM-Torch, LAMMPS,
+// torch.jit.load in a bare process) still differentiates, twice (Hessians,
+// force training). Both directions call the ops through the dispatcher, so
+// every backend (CPU, CUDA, Meta) keeps its own kernels.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 

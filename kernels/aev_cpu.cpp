@@ -21,13 +21,13 @@ using namespace aev_cpu_detail;
 
 namespace {
 
-// The angular cutoff of each angular neighbour; for the backward (dfc given)
-// also its derivative and 1 / r (0 for r = 0), so that a triple's gradient
-// needs no division.
+// The angular cutoff of each angular neighbour; for the backward (dfc and
+// inv_r given, else both null) also its derivative and 1 / r (0 for r = 0), so
+// that a triple's gradient needs no division.
 template <typename scalar_t>
 inline void angular_cutoffs(const std::vector<Neighbor<scalar_t>>& ang, scalar_t rc,
                             std::vector<scalar_t>& fc, std::vector<scalar_t>* dfc,
-                            std::vector<scalar_t>* inv_r = nullptr) {
+                            std::vector<scalar_t>* inv_r) {
   fc.resize(ang.size());
   for (size_t j = 0; j < ang.size(); ++j) fc[j] = cutoff_cos(ang[j].r, rc);
   if (dfc == nullptr) return;
@@ -229,7 +229,7 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
       }
       if (n.r <= k.rc_a) ang.push_back(n);
     }
-    angular_cutoffs<float>(ang, k.rc_a, fc_a, nullptr);
+    angular_cutoffs<float>(ang, k.rc_a, fc_a, nullptr, nullptr);
     collect_triples(ang, triples);
     size_t q = 0;
     if (paired) {  // Z = 4: two triples per section-factor vector, still added in order
@@ -340,7 +340,7 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
         }
         if (n.r <= k.rc_a) ang.push_back(n);
       }
-      angular_cutoffs<scalar_t>(ang, k.rc_a, fc_a, nullptr);
+      angular_cutoffs<scalar_t>(ang, k.rc_a, fc_a, nullptr, nullptr);
       for (size_t j = 0; j < ang.size(); ++j) {
         for (size_t l = j + 1; l < ang.size(); ++l) {
           const auto t = make_triple(ang[j], ang[l]);

@@ -473,12 +473,24 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
   const int64_t num_atoms = grad_values.size(1);
   const at::Tensor grad = grad_values.contiguous();
   const at::Tensor idx = atoms.contiguous();
-  TORCH_CHECK(distinct_in_range(idx, num_atoms), "ensemble_mlp_backward: atoms must be distinct "
-              "columns of grad_values (in [0, ", num_atoms, "))");
+  TORCH_CHECK(in_range(idx, num_atoms), "ensemble_mlp_backward: atoms must be distinct columns "
+              "of grad_values (in [0, ", num_atoms, "))");
+  const int64_t* at_ptr = idx.data_ptr<int64_t>();
+  // Per atom: its group and its entry in the group (-1: in no group, a zero
+  // row); an atom met twice is refused.
+  std::vector<int64_t> group_of(num_atoms, -1), entry_of(num_atoms, -1);
+  for (int64_t g = 0, row = 0; g < static_cast<int64_t>(sizes.size()); row += sizes[g], ++g) {
+    for (int64_t r = 0; r < sizes[g]; ++r) {
+      const int64_t a = at_ptr[row + r];
+      TORCH_CHECK(group_of[a] < 0, "ensemble_mlp_backward: atoms must be distinct columns of "
+                  "grad_values (in [0, ", num_atoms, ")), atom ", a, " repeats");
+      group_of[a] = g;
+      entry_of[a] = r;
+    }
+  }
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "ensemble_mlp_backward", [&] {
     const scalar_t* gv = grad.data_ptr<scalar_t>();
-    const int64_t* at_ptr = idx.data_ptr<int64_t>();
     const int64_t n = idx.numel();
     for (int64_t m = 1; m < grad.size(0); ++m) {
       for (int64_t i = 0; i < n; ++i) {
@@ -502,18 +514,9 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
       cols[g] = keep[g].data_ptr<int64_t>();
       width[g] = keep[g].numel();
     }
-    // Per atom: its group and its entry in atoms (-1: in no group, a zero row).
-    std::vector<int64_t> group_of(num_atoms, -1), entry_of(num_atoms, -1);
     std::vector<int64_t> jac_begin(sizes.size());
-    for (int64_t g = 0, row = 0, off = 0; g < static_cast<int64_t>(sizes.size()); ++g) {
+    for (int64_t g = 0, off = 0; g < static_cast<int64_t>(sizes.size()); off += sizes[g] * width[g], ++g)
       jac_begin[g] = off;
-      for (int64_t r = 0; r < sizes[g]; ++r) {
-        group_of[at_ptr[row + r]] = g;
-        entry_of[at_ptr[row + r]] = r;
-      }
-      row += sizes[g];
-      off += sizes[g] * width[g];
-    }
     at::parallel_for(0, num_atoms, 64, [&](int64_t begin, int64_t end) {
       for (int64_t a = begin; a < end; ++a) {
         scalar_t* dst = o + a * features;

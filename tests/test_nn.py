@@ -292,15 +292,15 @@ def recompute_calls(monkeypatch):
 def native_calls(monkeypatch):
     """Counts the evaluations by the C++ op (ensemble_atomic)."""
     calls = []
-    native_values = torchani_fast.nn._FusedBase._native_values
+    native_plan = torchani_fast.nn._FusedBase._native_plan
 
     def counted(self, *args):
-        out = native_values(self, *args)
+        out = native_plan(self, *args)
         if out is not None:
             calls.append(1)
         return out
 
-    monkeypatch.setattr(torchani_fast.nn._FusedBase, "_native_values", counted)
+    monkeypatch.setattr(torchani_fast.nn._FusedBase, "_native_plan", counted)
     return calls
 
 

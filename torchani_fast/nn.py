@@ -90,6 +90,8 @@ RECOMPUTE_CHUNK_ATOMS = 1024  # atoms per chunk: temporaries of a few MB, which 
 SMALL_GROUP_ATOMS = 256
 CELU_ALPHA = 0.1
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+# The networks op's weight arguments: (columns, first, packs, panels, layers).
+OpArgs = tp.Tuple[tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], tp.List[int]]
 
 
 class _FusedBase(AtomicContainer):
@@ -268,15 +270,11 @@ class _FusedBase(AtomicContainer):
         act = self._evaluated_members()
         k = len(act)
         if aev.device.type == "cpu" and self.native_cpu:
-            if not torch.jit.is_scripting():
-                native = self._native_values(aev, atoms, act, group_elem, group_mask, group_size)
-                if native is not None:
-                    return native
-            elif not self._needs_weight_grad():
-                # TorchScript: the same C++ kernels through ensemble_atomic, whose
-                # autograd is in C++ (a model loaded without Python differentiates).
-                columns, first, packs, panels, layers = self._op_args(
-                    act, group_elem, group_mask, self._cached_hidden(act), True)
+            args = self._native_args(act, group_elem, group_mask)
+            if args is not None:
+                # The C++ kernels through ensemble_atomic, whose autograd is in C++
+                # (a scripted model loaded without Python differentiates too).
+                columns, first, packs, panels, layers = args
                 return torch.ops.torchani_fast.ensemble_atomic(
                     aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k)
         ws: tp.List[tp.List[tp.List[Tensor]]] = []
@@ -332,27 +330,24 @@ class _FusedBase(AtomicContainer):
         args = self._op_args(act, group_elem, group_mask, hidden, False)
         return _Recompute.apply(aev, atoms, group_size, args, len(act), self.small_group_atoms)
 
-    @torch.jit.unused
-    def _native_values(
-        self, aev: Tensor, atoms: Tensor, act: tp.List[int], group_elem: tp.List[int],
-        group_mask: tp.List[int], group_size: tp.List[int],
-    ) -> tp.Optional[Tensor]:
-        """Values (k, atoms) from the C++ op ``ensemble_atomic``, or None while a
-        parameter it would use requires grad: training takes the PyTorch path,
-        which packs on every call (an optimizer step changes the weights in place,
+    def _native_args(self, act: tp.List[int], group_elem: tp.List[int],
+                     group_mask: tp.List[int]) -> tp.Optional[OpArgs]:
+        """The op's weight arguments for these groups, or None while a parameter
+        they come from requires grad: training takes the PyTorch path, which
+        packs on every call (an optimizer step changes the weights in place,
         unseen by the cache), with or without grad mode."""
-        plan = self._native_plan(act, group_elem, group_mask)
-        if plan is None:
-            return None
-        return torch.ops.torchani_fast.ensemble_atomic(aev.contiguous(), atoms, group_size, *plan.op_args,
-                                                       len(act))
+        if torch.jit.is_scripting():
+            if self._needs_weight_grad():
+                return None
+            return self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True)
+        return self._native_plan(act, group_elem, group_mask)
 
     @torch.jit.unused
     def _native_plan(self, act: tp.List[int], group_elem: tp.List[int],
-                     group_mask: tp.List[int]) -> tp.Optional["_NativePlan"]:
-        """The op's weight arguments for these members and groups, cached (a call
-        with a composition seen before costs one dict lookup here), or None
-        while one of the parameters they come from requires grad."""
+                     group_mask: tp.List[int]) -> tp.Optional[OpArgs]:
+        """``_native_args`` of an eager module: cached per (members, groups) (a
+        call with a composition seen before costs one dict lookup here), with
+        the requires-grad check on the parameters they come from only."""
         key = (_bitmask(act), tuple(group_elem), tuple(group_mask))
         plan = self._native_plans.get(key)
         if plan is not None and not self._stale(plan.op_args[1][0]):
@@ -364,17 +359,16 @@ class _FusedBase(AtomicContainer):
         if any(map(_REQUIRES_GRAD, params)):
             return None  # nothing built or cached: the weights may change in place
         if plan is not None:
-            return plan
+            return plan.op_args
         with torch.inference_mode(False):  # panels usable by later calls with forces
             plan = _NativePlan(self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True), params)
         if len(self._native_plans) >= self.max_first_layer_packs:
             self._native_plans.pop(next(iter(self._native_plans)))  # the oldest
         self._native_plans[key] = plan
-        return plan
+        return plan.op_args
 
     def _op_args(self, act: tp.List[int], group_elem: tp.List[int], group_mask: tp.List[int],
-                 hidden: tp.List[Tensor], with_panels: bool
-                 ) -> tp.Tuple[tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], tp.List[int]]:
+                 hidden: tp.List[Tensor], with_panels: bool) -> OpArgs:
         """(columns, first, packs, panels, layers) of these groups, as ``ensemble_mlp``
         takes them. Panels only when asked for, float32 and every width a multiple
         of 16; else an empty list."""
@@ -893,7 +887,7 @@ class _NativePlan(tp.NamedTuple):
     """What ``ensemble_mlp`` needs besides the AEV and atoms, for one set of
     members and groups (``_FusedBase._native_plan``)."""
 
-    op_args: tp.Tuple  # (columns, first, packs, panels, layers), as in the op's schema
+    op_args: OpArgs  # (columns, first, packs, panels, layers), as in the op's schema
     params: tp.List[Tensor]  # the parameters these packs come from (requires_grad check)
 
 

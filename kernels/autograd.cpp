@@ -328,6 +328,67 @@ at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& ato
                                  panels.vec(), layers.vec(), members);
 }
 
+namespace {
+
+// pair_vectors, differentiable w.r.t. coords and cell (images and pairs are
+// integer-valued). Outside grad mode the CPU backward is one pass over the
+// pairs; under create_graph=True (and on other devices) it is written with
+// ATen ops, which autograd records for the next derivative.
+class PairVectorsFunction : public torch::autograd::Function<PairVectorsFunction> {
+ public:
+  static tensor_list forward(AutogradContext* ctx, const at::Tensor& coords,
+                             const at::Tensor& pairs, const std::optional<at::Tensor>& images,
+                             const std::optional<at::Tensor>& cell) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("torchani_fast::pair_vectors", "")
+                               .typed<decltype(pair_vectors_autograd)>();
+    auto [diff, dist] = op.call(coords, pairs, images, cell);
+    ctx->save_for_backward({pairs, diff, dist, images.value_or(at::Tensor())});
+    ctx->saved_data["num_atoms"] = coords.size(0);
+    return {diff, dist};
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& pairs = saved[0];
+    const at::Tensor& diff = saved[1];
+    const at::Tensor& dist = saved[2];
+    const std::optional<at::Tensor> images =
+        saved[3].defined() ? std::optional<at::Tensor>(saved[3]) : std::nullopt;
+    const int64_t num_atoms = ctx->saved_data["num_atoms"].toInt();
+    // needs_input_grad counts the tensor inputs given: cell is the fourth when images is there.
+    const bool need_cell = images.has_value() && ctx->needs_input_grad(3);
+    tensor_list out(4);
+    if (!at::GradMode::is_enabled() && diff.device().is_cpu()) {
+      static const auto op = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("torchani_fast::pair_vectors_backward", "")
+                                 .typed<decltype(pair_vectors_backward_cpu)>();
+      auto [grad_coords, grad_cell] = op.call(grads[0], grads[1], diff, dist, pairs, images,
+                                              num_atoms);
+      out[0] = grad_coords;
+      if (need_cell) out[3] = grad_cell;
+      return out;
+    }
+    const at::Tensor g = pair_vectors_total_grad(grads[0], grads[1], diff, dist);
+    out[0] = at::zeros({num_atoms, 3}, diff.options())
+                 .index_add(0, pairs[0], g)
+                 .index_add(0, pairs[1], -g);
+    if (need_cell && images.has_value()) out[3] = at::mm(images->t(), g);
+    return out;
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> pair_vectors_autograd(const at::Tensor& coords,
+                                                         const at::Tensor& pairs,
+                                                         const c10::optional<at::Tensor>& images,
+                                                         const c10::optional<at::Tensor>& cell) {
+  const tensor_list out = PairVectorsFunction::apply(coords, pairs, images, cell);
+  return {out[0], out[1]};
+}
+
 std::tuple<at::Tensor, at::Tensor> neighbor_pairs_autograd(
     const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
     const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list) {

@@ -294,4 +294,109 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_cpu(
   return {pairs, images, at::scalar_tensor(P, found.options())};
 }
 
+// pair_vectors: one pass over the pairs instead of two gathers, a subtraction,
+// a matrix product and a norm, each a separate ATen call (and autograd node).
+std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& coords,
+                                                    const at::Tensor& pairs,
+                                                    const c10::optional<at::Tensor>& images,
+                                                    const c10::optional<at::Tensor>& cell) {
+  const char* op = "torchani_fast::pair_vectors";
+  TORCH_CHECK(coords.dim() == 2 && coords.size(1) == 3 && at::isFloatingType(coords.scalar_type()),
+              op, ": coords must be a float (atoms, 3) tensor, got ", coords.scalar_type(), " ",
+              coords.sizes());
+  TORCH_CHECK(pairs.dim() == 2 && pairs.size(0) == 2 && pairs.scalar_type() == at::kLong, op,
+              ": pairs must be an int64 (2, pairs) tensor, got ", pairs.scalar_type(), " ",
+              pairs.sizes());
+  TORCH_CHECK(images.has_value() == cell.has_value(), op,
+              ": images and cell must be given together (both or neither)");
+  const int64_t P = pairs.size(1), N = coords.size(0);
+  if (cell.has_value()) {
+    TORCH_CHECK(cell->dim() == 2 && cell->size(0) == 3 && cell->size(1) == 3 &&
+                    cell->scalar_type() == coords.scalar_type(),
+                op, ": cell must be a (3, 3) tensor of the coords' dtype, got ",
+                cell->scalar_type(), " ", cell->sizes());
+    TORCH_CHECK(images->dim() == 2 && images->size(0) == P && images->size(1) == 3 &&
+                    images->scalar_type() == coords.scalar_type(),
+                op, ": images must be a (", P, ", 3) tensor of the coords' dtype, got ",
+                images->scalar_type(), " ", images->sizes());
+  }
+  const at::Tensor idx = pairs.contiguous();
+  const int64_t* first = idx.data_ptr<int64_t>();
+  const int64_t* second = first + P;
+  for (int64_t p = 0; p < 2 * P; ++p)
+    TORCH_CHECK(first[p] >= 0 && first[p] < N, op, ": pairs must index the ", N,
+                " atoms, got ", first[p]);
+  at::Tensor diff = at::empty({P, 3}, coords.options());
+  at::Tensor dist = at::empty({P}, coords.options());
+  AT_DISPATCH_FLOATING_TYPES(coords.scalar_type(), "pair_vectors_cpu", [&] {
+    const at::Tensor x_c = coords.contiguous();
+    const scalar_t* x = x_c.data_ptr<scalar_t>();
+    at::Tensor img_c, cell_c;
+    const scalar_t* img = nullptr;
+    const scalar_t* C = nullptr;
+    if (cell.has_value()) {
+      img_c = images->contiguous();
+      cell_c = cell->contiguous();
+      img = img_c.data_ptr<scalar_t>();
+      C = cell_c.data_ptr<scalar_t>();
+    }
+    scalar_t* d = diff.data_ptr<scalar_t>();
+    scalar_t* r = dist.data_ptr<scalar_t>();
+    at::parallel_for(0, P, 16384, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const scalar_t* xi = x + 3 * first[p];
+        const scalar_t* xj = x + 3 * second[p];
+        scalar_t v[3] = {xi[0] - xj[0], xi[1] - xj[1], xi[2] - xj[2]};
+        if (C != nullptr) {
+          const scalar_t* n = img + 3 * p;
+          for (int c = 0; c < 3; ++c) v[c] += n[0] * C[c] + n[1] * C[3 + c] + n[2] * C[6 + c];
+        }
+        d[3 * p] = v[0];
+        d[3 * p + 1] = v[1];
+        d[3 * p + 2] = v[2];
+        r[p] = std::sqrt(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
+      }
+    });
+  });
+  return {diff, dist};
+}
+
+at::Tensor pair_vectors_total_grad(const c10::optional<at::Tensor>& grad_diff,
+                                   const c10::optional<at::Tensor>& grad_dist,
+                                   const at::Tensor& diff, const at::Tensor& dist) {
+  // grad_diff + grad_dist * diff / |diff| (0 at |diff| = 0, as for torch.norm).
+  const bool has_diff = grad_diff.has_value() && grad_diff->defined();
+  at::Tensor g = has_diff ? *grad_diff : at::zeros_like(diff);
+  if (grad_dist.has_value() && grad_dist->defined()) {
+    const at::Tensor scale = at::where(dist == 0, at::zeros_like(dist), *grad_dist / dist);
+    g = g + scale.unsqueeze(-1) * diff;
+  }
+  return g;
+}
+
+std::tuple<at::Tensor, at::Tensor> pair_vectors_backward_cpu(
+    const c10::optional<at::Tensor>& grad_diff, const c10::optional<at::Tensor>& grad_dist,
+    const at::Tensor& diff, const at::Tensor& dist, const at::Tensor& pairs,
+    const c10::optional<at::Tensor>& images, int64_t num_atoms) {
+  const int64_t P = pairs.size(1);
+  const at::Tensor g = pair_vectors_total_grad(grad_diff, grad_dist, diff, dist).contiguous();
+  at::Tensor grad_coords = at::zeros({num_atoms, 3}, diff.options());
+  const at::Tensor idx = pairs.contiguous();
+  const int64_t* first = idx.data_ptr<int64_t>();
+  const int64_t* second = first + P;
+  AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "pair_vectors_backward_cpu", [&] {
+    const scalar_t* gp = g.data_ptr<scalar_t>();
+    scalar_t* out = grad_coords.data_ptr<scalar_t>();
+    // Serial: each atom's sum is taken in pair order, the same for any number of threads.
+    for (int64_t p = 0; p < P; ++p)
+      for (int c = 0; c < 3; ++c) {
+        out[3 * first[p] + c] += gp[3 * p + c];
+        out[3 * second[p] + c] -= gp[3 * p + c];
+      }
+  });
+  at::Tensor grad_cell =
+      images.has_value() ? at::mm(images->t(), g) : at::zeros({3, 3}, diff.options());
+  return {grad_coords, grad_cell};
+}
+
 }  // namespace torchani_fast

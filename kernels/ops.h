@@ -10,13 +10,14 @@
 //   pairs (2,P) int64 into the flattened atoms, images (P,3) integer lattice
 //   translations stored in the coordinate dtype
 //        |
-//        |  diff = coords[pairs[0]] - coords[pairs[1]] + images @ cell   (ATen,
-//        |  differentiable w.r.t. coords AND cell, which is what ASE stress needs)
+//        |  pair_vectors: diff = coords[pairs[0]] - coords[pairs[1]] + images @ cell
+//        |  and |diff| (CPU; ATen elsewhere), differentiable w.r.t. coords AND
+//        |  cell, which is what ASE stress needs
 //        v
 //   diff_vectors (P,3)  --- aev_forward --->  aev (M,A,F)
 //
 // Backward (forces):   grad_aev (M,A,F) --- aev_backward ---> grad_diff (P,3)
-// and ATen's autograd carries grad_diff back to coords and cell.
+// and pair_vectors' backward carries grad_diff back to coords and cell.
 //
 // Double backward (Hessians, force training) differentiates aev_backward with
 // respect to grad_aev and diff_vectors; aev_backward is an op of its own so that
@@ -45,6 +46,27 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
     const at::Tensor& species, const at::Tensor& coords,
     const c10::optional<at::Tensor>& cell, const c10::optional<at::Tensor>& pbc,
     double cutoff, bool cell_list);
+
+// The pairs' difference vectors (P, 3), coords[pairs[0]] - coords[pairs[1]]
+// (+ images @ cell when a cell is given), and their lengths (P,). coords is
+// (N, 3); entries of pairs must be in [0, N). pair_vectors_backward is its first
+// derivative, which the autograd kernel calls outside grad mode: the gradients
+// of coords (N, 3) and cell (3, 3; zeros without images) from those of the
+// vectors and lengths (either may be missing). Not differentiable itself.
+std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& coords,
+                                                    const at::Tensor& pairs,
+                                                    const c10::optional<at::Tensor>& images,
+                                                    const c10::optional<at::Tensor>& cell);
+std::tuple<at::Tensor, at::Tensor> pair_vectors_backward_cpu(
+    const c10::optional<at::Tensor>& grad_diff, const c10::optional<at::Tensor>& grad_dist,
+    const at::Tensor& diff, const at::Tensor& dist, const at::Tensor& pairs,
+    const c10::optional<at::Tensor>& images, int64_t num_atoms);
+
+// grad_diff + grad_dist * diff / |diff| (0 where |diff| = 0), in ATen ops: the
+// vectors' total gradient, shared by both backward implementations.
+at::Tensor pair_vectors_total_grad(const c10::optional<at::Tensor>& grad_diff,
+                                   const c10::optional<at::Tensor>& grad_dist,
+                                   const at::Tensor& diff, const at::Tensor& dist);
 
 // Argument checks of both neighbour ops (shapes and dtypes only; no data is read).
 void check_neighbor_inputs(const char* op, const at::Tensor& species, const at::Tensor& coords,
@@ -182,6 +204,10 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_autograd(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_autograd(
     const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
     const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs);
+std::tuple<at::Tensor, at::Tensor> pair_vectors_autograd(const at::Tensor& coords,
+                                                         const at::Tensor& pairs,
+                                                         const c10::optional<at::Tensor>& images,
+                                                         const c10::optional<at::Tensor>& cell);
 // The AEV ones take AEVParams; registration gives them the flat schema signature
 // (AevOp::flat), and they pass it on flat to autograd.
 at::Tensor aev_autograd(const at::Tensor& species, const at::Tensor& pairs,

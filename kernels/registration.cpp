@@ -10,9 +10,10 @@
 
 TORCH_LIBRARY(torchani_fast, m) {
   using namespace torchani_fast::schema;
-  for (const char* schema : {kNeighborPairs, kNeighborPairsPadded, kAev, kAevBackward, kAevJvp,
-                             kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
-                             kEnsembleMlpBackward, kEnsembleAtomic, kFirstInvalidAtom, kConvertSpecies}) {
+  for (const char* schema :
+       {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
+        kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
+        kEnsembleMlpBackward, kEnsembleAtomic, kFirstInvalidAtom, kConvertSpecies}) {
     m.def(schema);
   }
 }
@@ -21,6 +22,8 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   using namespace torchani_fast;
   m.impl("neighbor_pairs", &neighbor_pairs_cpu);
   m.impl("neighbor_pairs_padded", &neighbor_pairs_padded_cpu);
+  m.impl("pair_vectors", &pair_vectors_cpu);
+  m.impl("pair_vectors_backward", &pair_vectors_backward_cpu);
   m.impl("aev", &AevForwardOp::flat<&aev_forward_cpu>);
   m.impl("aev_backward", &AevBackwardOp::flat<&aev_backward_cpu>);
   m.impl("aev_jvp", &AevBackwardOp::flat<&aev_jvp_cpu>);
@@ -50,6 +53,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
   using namespace torchani_fast;
   m.impl("neighbor_pairs", &neighbor_pairs_autograd);
   m.impl("neighbor_pairs_padded", &neighbor_pairs_padded_autograd);
+  m.impl("pair_vectors", &pair_vectors_autograd);
   m.impl("aev", &AevForwardOp::flat<&aev_autograd>);
   m.impl("aev_backward", &AevBackwardOp::flat<&aev_backward_autograd>);
   m.impl("aev_jvp", &AevBackwardOp::flat<&aev_jvp_autograd>);

@@ -16,6 +16,12 @@ constexpr const char* kNeighborPairsPadded =
     "neighbor_pairs_padded(Tensor species, Tensor coords, Tensor? cell, Tensor? pbc, "
     "float cutoff, bool cell_list, int max_pairs) -> (Tensor pairs, Tensor images, "
     "Tensor num_pairs)";
+constexpr const char* kPairVectors =
+    "pair_vectors(Tensor coords, Tensor pairs, Tensor? images, Tensor? cell) -> "
+    "(Tensor diff_vectors, Tensor distances)";
+constexpr const char* kPairVectorsBackward =
+    "pair_vectors_backward(Tensor? grad_diff, Tensor? grad_dist, Tensor diff, Tensor dist, "
+    "Tensor pairs, Tensor? images, int num_atoms) -> (Tensor grad_coords, Tensor grad_cell)";
 constexpr const char* kAev = "aev(" TORCHANI_FAST_AEV_ARGS ") -> Tensor";
 constexpr const char* kAevBackward = "aev_backward(Tensor grad_aev, " TORCHANI_FAST_AEV_ARGS
                                      ") -> Tensor";

@@ -329,7 +329,9 @@ def test_neighborlist_module_strategies():
     for strategy in ("all_pairs", "cell_list", "auto"):
         nb = NeighborList(strategy)(CUTOFF, species, coords, cell, pbc)
         results.append(nb)
-        torch.testing.assert_close(nb.distances, nb.diff_vectors.norm(dim=1), rtol=0, atol=0)
+        # pair_vectors' lengths: sqrt(x^2 + y^2 + z^2), within 2 ulp of torch.norm's
+        eps = torch.finfo(nb.distances.dtype).eps
+        torch.testing.assert_close(nb.distances, nb.diff_vectors.norm(dim=1), rtol=2 * eps, atol=0)
     for nb in results[1:]:
         assert torch.equal(nb.indices, results[0].indices)
         torch.testing.assert_close(nb.diff_vectors, results[0].diff_vectors, rtol=0, atol=1e-12)
@@ -349,6 +351,78 @@ def test_deterministic_across_thread_counts():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def reference_pair_vectors(coords, pairs, images, cell):
+    """pair_vectors in plain ATen ops (what the op replaces)."""
+    diff = coords[pairs[0]] - coords[pairs[1]]
+    if cell is not None:
+        diff = diff + images @ cell
+    return diff, diff.norm(2, -1)
+
+
+def pair_vector_case(dtype, periodic):
+    rng = np.random.default_rng(11)
+    cell = torch.tensor([[6.0, 0, 0], [1.0, 5.5, 0], [0.5, -1.0, 6.5]], dtype=dtype)
+    species, coords, cell = random_box(rng, 30, cell, dtype)
+    c, p = (cell, ALL) if periodic else (None, None)
+    pairs, images = ops.neighbor_pairs(species, coords, c, p, CUTOFF, False)
+    return coords.view(-1, 3), pairs, (images if periodic else None), c
+
+
+@pytest.mark.parametrize("periodic", [False, True])
+def test_pair_vectors_match_aten_and_differentiate(periodic):
+    """Values, first and second derivatives (w.r.t. coords and cell, through the
+    vectors and the lengths) against the ATen expression it replaces."""
+    for dtype in (torch.float32, torch.float64):
+        x, pairs, images, cell = pair_vector_case(dtype, periodic)
+        assert pairs.shape[1] > 100 and (images is None or images.abs().sum() > 0)
+        got, expected = ops.pair_vectors(x, pairs, images, cell), reference_pair_vectors(x, pairs, images, cell)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=8 * eps * float(x.abs().max()))
+        torch.testing.assert_close(got[1], expected[1], rtol=8 * eps, atol=8 * eps)
+        # First derivative, each output alone and both: equal to autograd through ATen.
+        leaves = (x.clone().requires_grad_(),) + ((cell.clone().requires_grad_(),) if periodic else ())
+        for weights in ((1.0, 0.0), (0.0, 1.0), (0.7, -1.3)):
+            grads = []
+            for fn in (ops.pair_vectors, reference_pair_vectors):
+                d, r = fn(leaves[0], pairs, images, leaves[1] if periodic else None)
+                gd = torch.linspace(-1, 1, d.numel(), dtype=dtype).view_as(d)
+                loss = weights[0] * (gd * d).sum() + weights[1] * (r * r.flip(0)).sum()
+                grads.append(torch.autograd.grad(loss, leaves))
+            for a, b in zip(*grads):
+                torch.testing.assert_close(a, b, rtol=64 * eps, atol=64 * eps * float(b.abs().max()))
+    x, pairs, images, cell = pair_vector_case(torch.float64, periodic)
+    x = x[: int(pairs.max()) + 1].clone().requires_grad_()
+    inputs = (x, cell.clone().requires_grad_()) if periodic else (x,)
+
+    def both(x, c=None):
+        return ops.pair_vectors(x, pairs, images, c)
+
+    assert torch.autograd.gradcheck(both, inputs)
+    assert torch.autograd.gradgradcheck(both, inputs)
+
+
+def test_pair_vectors_opcheck_and_errors():
+    for periodic in (False, True):
+        x, pairs, images, cell = pair_vector_case(torch.float64, periodic)
+        torch.library.opcheck(torch.ops.torchani_fast.pair_vectors.default, (x, pairs, images, cell))
+        torch.library.opcheck(torch.ops.torchani_fast.pair_vectors.default,
+                              (x.clone().requires_grad_(), pairs, images, cell))
+        diff, dist = ops.pair_vectors(x, pairs, images, cell)
+        for grads in ((torch.randn_like(diff), None), (None, torch.randn_like(dist)),
+                      (torch.randn_like(diff), torch.randn_like(dist))):
+            torch.library.opcheck(torch.ops.torchani_fast.pair_vectors_backward.default,
+                                  (*grads, diff, dist, pairs, images, x.shape[0]))
+    x, pairs, images, cell = pair_vector_case(torch.float64, True)
+    bad = pairs.clone()
+    bad[1, 3] = x.shape[0]
+    with pytest.raises(RuntimeError, match=f"pairs must index the {x.shape[0]} atoms, got {x.shape[0]}"):
+        ops.pair_vectors(x, bad, images, cell)
+    with pytest.raises(RuntimeError, match="images and cell must be given together"):
+        torch.ops.torchani_fast.pair_vectors(x, pairs, images, None)
+    with pytest.raises(RuntimeError, match="cell must be a \\(3, 3\\) tensor of the coords' dtype"):
+        ops.pair_vectors(x, pairs, images, cell.float())
 
 
 def test_errors_name_the_problem():

@@ -107,11 +107,9 @@ class NeighborList(torch.nn.Module):
                 cutoff, use_cells,
             )
             safe = pairs
-        flat = coords.view(-1, 3)
-        diff = flat.index_select(0, safe[0]) - flat.index_select(0, safe[1])
-        if cell is not None:
-            diff = diff + images @ cell
-        return Neighbors(pairs, diff.norm(2, -1), diff)
+        diff, distances = ops.pair_vectors(coords.view(-1, 3), safe,
+                                           None if cell is None else images, cell)
+        return Neighbors(pairs, distances, diff)
 
 
 class AEVComputer(torch.nn.Module):

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "neighbor_pairs", "neighbor_pairs_padded", "check_num_pairs", "aev", "aev_backward",
+    "neighbor_pairs", "neighbor_pairs_padded", "check_num_pairs", "pair_vectors", "aev", "aev_backward",
     "aev_jvp", "aev_double_backward", "aev_local_derivatives",
 ]
 
@@ -117,6 +117,42 @@ def check_num_pairs(num_pairs: Tensor, max_pairs: int) -> int:
             "Raise max_pairs (e.g. to " + str(n + n // 4 + 64) + ") and recompute."
         )
     return n
+
+
+def pair_vectors(
+    coords: Tensor,
+    pairs: Tensor,
+    images: tp.Optional[Tensor],
+    cell: tp.Optional[Tensor],
+) -> tp.Tuple[Tensor, Tensor]:
+    """The pairs' difference vectors and their lengths, differentiable w.r.t. coords and cell.
+
+    One pass over the pairs (CPU; ATen on other devices) instead of two gathers,
+    a subtraction, a matrix product and a norm.
+
+    Parameters
+    ----------
+    coords : Tensor, float, shape (N, 3)
+        The flattened coordinates.
+    pairs : Tensor, int64, shape (2, P)
+        Indices into ``coords``.
+    images, cell : Tensor, coords dtype, shapes (P, 3) and (3, 3), optional
+        Lattice translations of the pairs (as :func:`neighbor_pairs` returns
+        them) and the cell, both or neither.
+
+    Returns
+    -------
+    diff_vectors : Tensor, shape (P, 3)
+        ``coords[pairs[0]] - coords[pairs[1]] (+ images @ cell)``.
+    distances : Tensor, shape (P,)
+        Their lengths.
+    """
+    if coords.device.type == "cpu":
+        return torch.ops.torchani_fast.pair_vectors(coords, pairs, images, cell)
+    diff = coords.index_select(0, pairs[0]) - coords.index_select(0, pairs[1])
+    if cell is not None and images is not None:
+        diff = diff + images @ cell
+    return diff, diff.norm(2, -1)
 
 
 def aev(
@@ -239,6 +275,16 @@ def _neighbor_pairs_padded_fake(species, coords, cell, pbc, cutoff, cell_list, m
     images = coords.new_empty((max_pairs, 3))
     num_pairs = species.new_empty((), dtype=torch.long)
     return pairs, images, num_pairs
+
+
+@torch.library.register_fake("torchani_fast::pair_vectors")
+def _pair_vectors_fake(coords, pairs, images, cell):
+    return coords.new_empty((pairs.shape[1], 3)), coords.new_empty((pairs.shape[1],))
+
+
+@torch.library.register_fake("torchani_fast::pair_vectors_backward")
+def _pair_vectors_backward_fake(grad_diff, grad_dist, diff, dist, pairs, images, num_atoms):
+    return diff.new_empty((num_atoms, 3)), diff.new_empty((3, 3))
 
 
 @torch.library.register_fake("torchani_fast::aev")

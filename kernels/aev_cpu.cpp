@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "aev_cpu_common.h"
+#include "output_cache.h"
 #include "simd_math.h"
 
 namespace torchani_fast {
@@ -477,7 +478,8 @@ void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tenso
 at::Tensor aev_forward_cpu(const at::Tensor& species, const at::Tensor& pairs,
                            const at::Tensor& diff_vectors, const AEVParams& p) {
   const AevInputs in("torchani_fast::aev", species, pairs, diff_vectors, p);
-  auto aev = at::empty(aev_shape(species, p), in.diff.options());  // every row written by the kernel
+  static thread_local OutputCache cache;
+  auto aev = cache.empty(aev_shape(species, p), in.diff.options());  // every row written by the kernel
   AT_DISPATCH_FLOATING_TYPES(in.diff.scalar_type(), "aev_forward_cpu", [&] {
     Consts<scalar_t> k(p);
     auto h = in.half_edges<scalar_t>(p.radial_cutoff);

@@ -130,3 +130,39 @@ def test_float32_computed_in_float32():
     species, coords = small_system(torch.float32)
     out = fast.potentials["nnp"].aev_computer(species, coords)
     assert out.dtype == torch.float32
+
+
+def test_reused_output_memory_never_overwrites_a_held_tensor():
+    """The CPU AEV and its gradient from the networks op reuse their memory from
+    one call to the next (kernels/output_cache.h) only once nothing references
+    it: outputs the caller keeps stay intact, and reused ones hold the new
+    values (checked against TorchANI). small.xyz in float64: 2 MB per output."""
+    ref, fast = model_pair("ANI2x", torch.float64)
+    species, coords, _, _ = atoms_to_tensors(read_molecule("small.xyz"))
+    elem = ref.species_converter(species)
+    aevc, nets = fast.potentials["nnp"].aev_computer, fast.potentials["nnp"].neural_networks
+    ref_aevc, ref_nets = ref.potentials["nnp"].aev_computer, ref.potentials["nnp"].neural_networks
+    assert aevc(elem, coords).numel() * 8 > 2**20  # above the cache's 1 MB threshold
+
+    def aev_and_grad(model_aevc, model_nets, x):
+        aev = model_aevc(elem, x)
+        leaf = aev.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(model_nets(elem, leaf).sum(), leaf)
+        return aev, grad
+
+    geometries = [coords + 0.02 * k * torch.sin(torch.arange(coords.numel(), dtype=torch.float64)).view_as(coords)
+                  for k in range(4)]
+    held = [aev_and_grad(aevc, nets, x) for x in geometries[:2]]  # both kept
+    copies = [(a.clone(), g.clone()) for a, g in held]
+    for x in geometries[2:]:
+        aev_and_grad(aevc, nets, x)  # results dropped at once: their memory is free to reuse
+    for (a, g), (a0, g0) in zip(held, copies):
+        assert torch.equal(a, a0) and torch.equal(g, g0)
+    assert not torch.equal(held[0][0], held[1][0])
+    for x in geometries:
+        got, expected = aev_and_grad(aevc, nets, x), aev_and_grad(ref_aevc, ref_nets, x)
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-12)
+        # The fused networks read only the columns of the elements present (the
+        # others are zero for this composition, and so is their gradient there).
+        used = expected[0].ne(0).flatten(0, 1).any(0)
+        torch.testing.assert_close(got[1][..., used], expected[1][..., used], rtol=1e-10, atol=1e-12)

@@ -27,7 +27,10 @@ after every layer but the last:
 ``s*R .. s*R+R-1``) or to one pair of neighbour elements (angular block
 ``S*R + p*W ..``, ``p = triu_index[s1, s2]``). Columns of elements absent from the
 input are exact zeros, so layer 1 only multiplies the columns of the elements
-present: about 40% of them for a CHNO molecule, 13% for water. In large inputs
+present: about 40% of them for a CHNO molecule, 13% for water. (So an AEV not
+computed for these species, with nonzero values in such columns, would be read
+as if they were zero, and the gradient with respect to them is 0; forces are
+unaffected, as those columns do not depend on the coordinates.) In large inputs
 (``SPLIT_MIN_ATOMS``) an element's atoms are further split in two groups when a
 present element is seen (within the radial cutoff) by at most a quarter of them,
 like the one S atom of a protein: the atoms that see none of these "rare"

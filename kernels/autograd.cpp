@@ -374,7 +374,7 @@ class PairVectorsFunction : public torch::autograd::Function<PairVectorsFunction
     out[0] = at::zeros({num_atoms, 3}, diff.options())
                  .index_add(0, pairs[0], g)
                  .index_add(0, pairs[1], -g);
-    if (need_cell && images.has_value()) out[3] = at::mm(images->t(), g);
+    if (need_cell) out[3] = at::mm(images->t(), g);
     return out;
   }
 };

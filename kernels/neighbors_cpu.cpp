@@ -294,6 +294,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_cpu(
   return {pairs, images, at::scalar_tensor(P, found.options())};
 }
 
+namespace {
+// pairs as a contiguous int64 (2, P) tensor whose entries index num_atoms atoms.
+at::Tensor checked_pairs(const char* op, const at::Tensor& pairs, int64_t num_atoms) {
+  TORCH_CHECK(pairs.dim() == 2 && pairs.size(0) == 2 && pairs.scalar_type() == at::kLong, op,
+              ": pairs must be an int64 (2, pairs) tensor, got ", pairs.scalar_type(), " ",
+              pairs.sizes());
+  at::Tensor idx = pairs.contiguous();
+  const int64_t* p = idx.data_ptr<int64_t>();
+  for (int64_t i = 0, n = idx.numel(); i < n; ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < num_atoms, op, ": pairs must index the ", num_atoms,
+                " atoms, got ", p[i]);
+  return idx;
+}
+
+}  // namespace
+
 // pair_vectors: one pass over the pairs instead of two gathers, a subtraction,
 // a matrix product and a norm, each a separate ATen call (and autograd node).
 std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& coords,
@@ -304,12 +320,10 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& coords,
   TORCH_CHECK(coords.dim() == 2 && coords.size(1) == 3 && at::isFloatingType(coords.scalar_type()),
               op, ": coords must be a float (atoms, 3) tensor, got ", coords.scalar_type(), " ",
               coords.sizes());
-  TORCH_CHECK(pairs.dim() == 2 && pairs.size(0) == 2 && pairs.scalar_type() == at::kLong, op,
-              ": pairs must be an int64 (2, pairs) tensor, got ", pairs.scalar_type(), " ",
-              pairs.sizes());
+  const at::Tensor idx = checked_pairs(op, pairs, coords.size(0));
   TORCH_CHECK(images.has_value() == cell.has_value(), op,
               ": images and cell must be given together (both or neither)");
-  const int64_t P = pairs.size(1), N = coords.size(0);
+  const int64_t P = pairs.size(1);
   if (cell.has_value()) {
     TORCH_CHECK(cell->dim() == 2 && cell->size(0) == 3 && cell->size(1) == 3 &&
                     cell->scalar_type() == coords.scalar_type(),
@@ -320,12 +334,8 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& coords,
                 op, ": images must be a (", P, ", 3) tensor of the coords' dtype, got ",
                 images->scalar_type(), " ", images->sizes());
   }
-  const at::Tensor idx = pairs.contiguous();
   const int64_t* first = idx.data_ptr<int64_t>();
   const int64_t* second = first + P;
-  for (int64_t p = 0; p < 2 * P; ++p)
-    TORCH_CHECK(first[p] >= 0 && first[p] < N, op, ": pairs must index the ", N,
-                " atoms, got ", first[p]);
   at::Tensor diff = at::empty({P, 3}, coords.options());
   at::Tensor dist = at::empty({P}, coords.options());
   AT_DISPATCH_FLOATING_TYPES(coords.scalar_type(), "pair_vectors_cpu", [&] {
@@ -378,12 +388,26 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_backward_cpu(
     const c10::optional<at::Tensor>& grad_diff, const c10::optional<at::Tensor>& grad_dist,
     const at::Tensor& diff, const at::Tensor& dist, const at::Tensor& pairs,
     const c10::optional<at::Tensor>& images, int64_t num_atoms) {
+  const char* op = "torchani_fast::pair_vectors_backward";
+  TORCH_CHECK(num_atoms >= 0, op, ": num_atoms must be >= 0, got ", num_atoms);
+  const at::Tensor idx = checked_pairs(op, pairs, num_atoms);
   const int64_t P = pairs.size(1);
-  const at::Tensor g = pair_vectors_total_grad(grad_diff, grad_dist, diff, dist).contiguous();
-  at::Tensor grad_coords = at::zeros({num_atoms, 3}, diff.options());
-  const at::Tensor idx = pairs.contiguous();
+  auto check_shape = [&](const char* name, const at::Tensor& t, at::IntArrayRef shape) {
+    TORCH_CHECK(t.sizes() == shape && t.scalar_type() == diff.scalar_type(), op, ": ", name,
+                " must be a ", shape, " tensor of diff's dtype, got ", t.scalar_type(), " ",
+                t.sizes());
+  };
+  TORCH_CHECK(at::isFloatingType(diff.scalar_type()), op, ": diff must be float, got ",
+              diff.scalar_type());
+  check_shape("diff", diff, {P, 3});
+  check_shape("dist", dist, {P});
+  if (grad_diff.has_value() && grad_diff->defined()) check_shape("grad_diff", *grad_diff, {P, 3});
+  if (grad_dist.has_value() && grad_dist->defined()) check_shape("grad_dist", *grad_dist, {P});
+  if (images.has_value()) check_shape("images", *images, {P, 3});
   const int64_t* first = idx.data_ptr<int64_t>();
   const int64_t* second = first + P;
+  const at::Tensor g = pair_vectors_total_grad(grad_diff, grad_dist, diff, dist).contiguous();
+  at::Tensor grad_coords = at::zeros({num_atoms, 3}, diff.options());
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "pair_vectors_backward_cpu", [&] {
     const scalar_t* gp = g.data_ptr<scalar_t>();
     scalar_t* out = grad_coords.data_ptr<scalar_t>();

@@ -423,6 +423,12 @@ def test_pair_vectors_opcheck_and_errors():
         torch.ops.torchani_fast.pair_vectors(x, pairs, images, None)
     with pytest.raises(RuntimeError, match="cell must be a \\(3, 3\\) tensor of the coords' dtype"):
         ops.pair_vectors(x, pairs, images, cell.float())
+    diff, dist = ops.pair_vectors(x, pairs, images, cell)
+    backward = torch.ops.torchani_fast.pair_vectors_backward
+    with pytest.raises(RuntimeError, match="pair_vectors_backward: pairs must index the 5 atoms"):
+        backward(diff, None, diff, dist, pairs, images, 5)
+    with pytest.raises(RuntimeError, match="grad_dist must be a \\[" + str(dist.numel()) + "\\] tensor"):
+        backward(None, dist[:-1], diff, dist, pairs, images, x.shape[0])
 
 
 def test_errors_name_the_problem():

@@ -344,6 +344,9 @@ class PairVectorsFunction : public torch::autograd::Function<PairVectorsFunction
                                .findSchemaOrThrow("torchani_fast::pair_vectors", "")
                                .typed<decltype(pair_vectors_autograd)>();
     auto [diff, dist] = op.call(coords, pairs, images, cell);
+    // An output without a gradient (usually the distances) stays undefined in
+    // backward instead of arriving as zeros that would be multiplied through.
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({pairs, diff, dist, images.value_or(at::Tensor())});
     ctx->saved_data["num_atoms"] = coords.size(0);
     return {diff, dist};

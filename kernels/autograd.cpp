@@ -331,9 +331,10 @@ at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& ato
 namespace {
 
 // pair_vectors, differentiable w.r.t. coords and cell (images and pairs are
-// integer-valued). Outside grad mode the CPU backward is one pass over the
-// pairs; under create_graph=True (and on other devices) it is written with
-// ATen ops, which autograd records for the next derivative.
+// integer-valued). The vectors' total gradient (with the lengths' share) and
+// the cell's are formed here once; the scatter to the coordinates is one pass
+// over the pairs (pair_vectors_backward), or ATen's index_add under
+// create_graph=True, which autograd records for the next derivative.
 class PairVectorsFunction : public torch::autograd::Function<PairVectorsFunction> {
  public:
   static tensor_list forward(AutogradContext* ctx, const at::Tensor& coords,
@@ -357,27 +358,25 @@ class PairVectorsFunction : public torch::autograd::Function<PairVectorsFunction
     const at::Tensor& pairs = saved[0];
     const at::Tensor& diff = saved[1];
     const at::Tensor& dist = saved[2];
-    const std::optional<at::Tensor> images =
-        saved[3].defined() ? std::optional<at::Tensor>(saved[3]) : std::nullopt;
+    const at::Tensor& images = saved[3];  // undefined without a cell
     const int64_t num_atoms = ctx->saved_data["num_atoms"].toInt();
-    // needs_input_grad counts the tensor inputs given: cell is the fourth when images is there.
-    const bool need_cell = images.has_value() && ctx->needs_input_grad(3);
+    // grad_diff + grad_dist * diff / |diff| (0 at |diff| = 0, as for torch.norm).
+    at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(diff);
+    if (grads[1].defined())
+      g = g + at::where(dist == 0, at::zeros_like(dist), grads[1] / dist).unsqueeze(-1) * diff;
     tensor_list out(4);
-    if (!at::GradMode::is_enabled() && diff.device().is_cpu()) {
+    if (at::GradMode::is_enabled()) {
+      out[0] = at::zeros({num_atoms, 3}, diff.options())
+                   .index_add(0, pairs[0], g)
+                   .index_add(0, pairs[1], -g);
+    } else {
       static const auto op = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("torchani_fast::pair_vectors_backward", "")
                                  .typed<decltype(pair_vectors_backward_cpu)>();
-      auto [grad_coords, grad_cell] = op.call(grads[0], grads[1], diff, dist, pairs, images,
-                                              num_atoms);
-      out[0] = grad_coords;
-      if (need_cell) out[3] = grad_cell;
-      return out;
+      out[0] = op.call(g, pairs, num_atoms);
     }
-    const at::Tensor g = pair_vectors_total_grad(grads[0], grads[1], diff, dist);
-    out[0] = at::zeros({num_atoms, 3}, diff.options())
-                 .index_add(0, pairs[0], g)
-                 .index_add(0, pairs[1], -g);
-    if (need_cell) out[3] = at::mm(images->t(), g);
+    // needs_input_grad counts the tensor inputs given: cell is the fourth when images is there.
+    if (images.defined() && ctx->needs_input_grad(3)) out[3] = at::mm(images.t(), g);
     return out;
   }
 };

@@ -500,8 +500,8 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
       }
     }
     // Every row is written in one pass: zeros, then the atom's used columns,
-    // while the row is in cache (3 000 waters: 3.8 -> 3.2 ms per call, which
-    // is mostly the kernel's page faults on a fresh 12 MB output).
+    // while the row is in cache; the memory is reused across calls
+    // (output_cache.h).
     static thread_local OutputCache cache;
     out = cache.empty({num_atoms, features}, grad.options());
     scalar_t* o = out.data_ptr<scalar_t>();

@@ -371,44 +371,20 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& coords,
   return {diff, dist};
 }
 
-at::Tensor pair_vectors_total_grad(const c10::optional<at::Tensor>& grad_diff,
-                                   const c10::optional<at::Tensor>& grad_dist,
-                                   const at::Tensor& diff, const at::Tensor& dist) {
-  // grad_diff + grad_dist * diff / |diff| (0 at |diff| = 0, as for torch.norm).
-  const bool has_diff = grad_diff.has_value() && grad_diff->defined();
-  at::Tensor g = has_diff ? *grad_diff : at::zeros_like(diff);
-  if (grad_dist.has_value() && grad_dist->defined()) {
-    const at::Tensor scale = at::where(dist == 0, at::zeros_like(dist), *grad_dist / dist);
-    g = g + scale.unsqueeze(-1) * diff;
-  }
-  return g;
-}
-
-std::tuple<at::Tensor, at::Tensor> pair_vectors_backward_cpu(
-    const c10::optional<at::Tensor>& grad_diff, const c10::optional<at::Tensor>& grad_dist,
-    const at::Tensor& diff, const at::Tensor& dist, const at::Tensor& pairs,
-    const c10::optional<at::Tensor>& images, int64_t num_atoms) {
+at::Tensor pair_vectors_backward_cpu(const at::Tensor& grad, const at::Tensor& pairs,
+                                     int64_t num_atoms) {
   const char* op = "torchani_fast::pair_vectors_backward";
   TORCH_CHECK(num_atoms >= 0, op, ": num_atoms must be >= 0, got ", num_atoms);
   const at::Tensor idx = checked_pairs(op, pairs, num_atoms);
   const int64_t P = pairs.size(1);
-  auto check_shape = [&](const char* name, const at::Tensor& t, at::IntArrayRef shape) {
-    TORCH_CHECK(t.sizes() == shape && t.scalar_type() == diff.scalar_type(), op, ": ", name,
-                " must be a ", shape, " tensor of diff's dtype, got ", t.scalar_type(), " ",
-                t.sizes());
-  };
-  TORCH_CHECK(at::isFloatingType(diff.scalar_type()), op, ": diff must be float, got ",
-              diff.scalar_type());
-  check_shape("diff", diff, {P, 3});
-  check_shape("dist", dist, {P});
-  if (grad_diff.has_value() && grad_diff->defined()) check_shape("grad_diff", *grad_diff, {P, 3});
-  if (grad_dist.has_value() && grad_dist->defined()) check_shape("grad_dist", *grad_dist, {P});
-  if (images.has_value()) check_shape("images", *images, {P, 3});
+  TORCH_CHECK(at::isFloatingType(grad.scalar_type()) && grad.sizes() == at::IntArrayRef({P, 3}),
+              op, ": grad must be a float (", P, ", 3) tensor, got ", grad.scalar_type(), " ",
+              grad.sizes());
   const int64_t* first = idx.data_ptr<int64_t>();
   const int64_t* second = first + P;
-  const at::Tensor g = pair_vectors_total_grad(grad_diff, grad_dist, diff, dist).contiguous();
-  at::Tensor grad_coords = at::zeros({num_atoms, 3}, diff.options());
-  AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "pair_vectors_backward_cpu", [&] {
+  const at::Tensor g = grad.contiguous();
+  at::Tensor grad_coords = at::zeros({num_atoms, 3}, grad.options());
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "pair_vectors_backward_cpu", [&] {
     const scalar_t* gp = g.data_ptr<scalar_t>();
     scalar_t* out = grad_coords.data_ptr<scalar_t>();
     // Serial: each atom's sum is taken in pair order, the same for any number of threads.
@@ -418,9 +394,7 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_backward_cpu(
         out[3 * second[p] + c] -= gp[3 * p + c];
       }
   });
-  at::Tensor grad_cell =
-      images.has_value() ? at::mm(images->t(), g) : at::zeros({3, 3}, diff.options());
-  return {grad_coords, grad_cell};
+  return grad_coords;
 }
 
 }  // namespace torchani_fast

@@ -49,24 +49,17 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
 
 // The pairs' difference vectors (P, 3), coords[pairs[0]] - coords[pairs[1]]
 // (+ images @ cell when a cell is given), and their lengths (P,). coords is
-// (N, 3); entries of pairs must be in [0, N). pair_vectors_backward is its first
-// derivative, which the autograd kernel calls outside grad mode: the gradients
-// of coords (N, 3) and cell (3, 3; zeros without images) from those of the
-// vectors and lengths (either may be missing). Not differentiable itself.
+// (N, 3); entries of pairs must be in [0, N). pair_vectors_backward is the part
+// of its first derivative that ATen does slowly, the scatter of the vectors'
+// gradient grad (P, 3) to the coordinates (N = num_atoms, 3), in pair order;
+// the autograd kernel adds the lengths' share to grad and forms the cell's
+// gradient, images^T grad. Not differentiable itself.
 std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& coords,
                                                     const at::Tensor& pairs,
                                                     const c10::optional<at::Tensor>& images,
                                                     const c10::optional<at::Tensor>& cell);
-std::tuple<at::Tensor, at::Tensor> pair_vectors_backward_cpu(
-    const c10::optional<at::Tensor>& grad_diff, const c10::optional<at::Tensor>& grad_dist,
-    const at::Tensor& diff, const at::Tensor& dist, const at::Tensor& pairs,
-    const c10::optional<at::Tensor>& images, int64_t num_atoms);
-
-// grad_diff + grad_dist * diff / |diff| (0 where |diff| = 0), in ATen ops: the
-// vectors' total gradient, shared by both backward implementations.
-at::Tensor pair_vectors_total_grad(const c10::optional<at::Tensor>& grad_diff,
-                                   const c10::optional<at::Tensor>& grad_dist,
-                                   const at::Tensor& diff, const at::Tensor& dist);
+at::Tensor pair_vectors_backward_cpu(const at::Tensor& grad, const at::Tensor& pairs,
+                                     int64_t num_atoms);
 
 // Argument checks of both neighbour ops (shapes and dtypes only; no data is read).
 void check_neighbor_inputs(const char* op, const at::Tensor& species, const at::Tensor& coords,

@@ -20,8 +20,7 @@ constexpr const char* kPairVectors =
     "pair_vectors(Tensor coords, Tensor pairs, Tensor? images, Tensor? cell) -> "
     "(Tensor diff_vectors, Tensor distances)";
 constexpr const char* kPairVectorsBackward =
-    "pair_vectors_backward(Tensor? grad_diff, Tensor? grad_dist, Tensor diff, Tensor dist, "
-    "Tensor pairs, Tensor? images, int num_atoms) -> (Tensor grad_coords, Tensor grad_cell)";
+    "pair_vectors_backward(Tensor grad, Tensor pairs, int num_atoms) -> Tensor";
 constexpr const char* kAev = "aev(" TORCHANI_FAST_AEV_ARGS ") -> Tensor";
 constexpr const char* kAevBackward = "aev_backward(Tensor grad_aev, " TORCHANI_FAST_AEV_ARGS
                                      ") -> Tensor";

@@ -283,8 +283,8 @@ def _pair_vectors_fake(coords, pairs, images, cell):
 
 
 @torch.library.register_fake("torchani_fast::pair_vectors_backward")
-def _pair_vectors_backward_fake(grad_diff, grad_dist, diff, dist, pairs, images, num_atoms):
-    return diff.new_empty((num_atoms, 3)), diff.new_empty((3, 3))
+def _pair_vectors_backward_fake(grad, pairs, num_atoms):
+    return grad.new_empty((num_atoms, 3))
 
 
 @torch.library.register_fake("torchani_fast::aev")

@@ -227,6 +227,99 @@ at::Tensor mlp_input_grad(const at::Tensor& x, const at::Tensor& grad, const at:
   return g.transpose(0, 1).reshape({n, -1}).mm(w1.t());
 }
 
+// The AEV gradient of sum(grad_values * values) by recomputing each group's
+// activations with differentiable ATen ops, a chunk of atoms at a time (any
+// incoming gradient (members, atoms); recorded when grad mode is on, i.e.
+// under create_graph=True, so that it can be differentiated again).
+at::Tensor recompute_aev_grad(const at::Tensor& aev, const at::Tensor& grad_values,
+                              const at::Tensor& atoms, const std::vector<int64_t>& sizes,
+                              const std::vector<at::Tensor>& columns,
+                              const std::vector<at::Tensor>& first,
+                              const std::vector<at::Tensor>& packs,
+                              const std::vector<int64_t>& layers, int64_t members) {
+  const bool differentiable = at::GradMode::is_enabled();
+  at::Tensor result = at::zeros_like(aev);
+  int64_t row = 0, pack = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    const std::vector<at::Tensor> group_packs(packs.begin() + pack,
+                                              packs.begin() + pack + 2 * layers[g] - 1);
+    const at::Tensor& cols = columns[g];
+    const bool all_columns = cols.numel() == aev.size(1);
+    for (int64_t r0 = 0; r0 < sizes[g]; r0 += kRecomputeChunk) {
+      const at::Tensor chunk = atoms.narrow(0, row + r0, std::min(kRecomputeChunk, sizes[g] - r0));
+      at::Tensor x = aev.index_select(0, chunk);
+      if (!all_columns) x = x.index_select(1, cols);
+      const at::Tensor gx = mlp_input_grad(x, grad_values.index_select(1, chunk), first[g],
+                                           group_packs, members);
+      c10::List<std::optional<at::Tensor>> index;
+      index.push_back(all_columns ? chunk : chunk.unsqueeze(1));
+      if (!all_columns) index.push_back(cols.unsqueeze(0));
+      result = differentiable ? at::index_put(result, index, gx) : result.index_put_(index, gx);
+    }
+    row += sizes[g];
+    pack += 2 * layers[g] - 1;
+  }
+  return result;
+}
+
+// What the backward of both functions below keeps: J (ensemble_mlp's
+// jacobian) for grad * J, and the weights for a recomputation.
+void save_networks(AutogradContext* ctx, const at::Tensor& aev, const at::Tensor& atoms,
+                   const at::Tensor& jac, const std::vector<int64_t>& sizes,
+                   const std::vector<at::Tensor>& columns, const std::vector<at::Tensor>& first,
+                   const std::vector<at::Tensor>& packs, const std::vector<int64_t>& layers,
+                   int64_t members) {
+  ctx->save_for_backward({aev});
+  ctx->saved_data["atoms"] = atoms;
+  ctx->saved_data["jac"] = jac;
+  ctx->saved_data["sizes"] = sizes;
+  ctx->saved_data["columns"] = columns;
+  ctx->saved_data["first"] = first;
+  ctx->saved_data["packs"] = packs;
+  ctx->saved_data["layers"] = layers;
+  ctx->saved_data["members"] = members;
+}
+
+// The AEV gradient for an incoming gradient (members, atoms) of the values:
+// grad * J when every member's row is the same (an ensemble mean) and no
+// graph is recorded, else the recomputation.
+at::Tensor networks_backward(AutogradContext* ctx, const at::Tensor& grad_values) {
+  const at::Tensor aev = ctx->get_saved_variables()[0];
+  const at::Tensor atoms = ctx->saved_data["atoms"].toTensor();
+  const auto sizes = ctx->saved_data["sizes"].toIntVector();
+  const auto columns = ctx->saved_data["columns"].toTensorVector();
+  // Grad mode is on here only under create_graph=True: then the backward is
+  // recorded, so that it can be differentiated again.
+  if (!at::GradMode::is_enabled()) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("torchani_fast::ensemble_mlp_backward", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                 at::IntArrayRef, at::TensorList,
+                                                 const at::Tensor&, int64_t)>();
+    at::Tensor g = op.call(grad_values, atoms, sizes, columns, ctx->saved_data["jac"].toTensor(),
+                           aev.size(1));
+    if (g.dim() == 2) return g;  // every member had the same incoming gradient: grad * J
+  }
+  return recompute_aev_grad(aev, grad_values, atoms, sizes, columns,
+                            ctx->saved_data["first"].toTensorVector(),
+                            ctx->saved_data["packs"].toTensorVector(),
+                            ctx->saved_data["layers"].toIntVector(),
+                            ctx->saved_data["members"].toInt());
+}
+
+const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, at::IntArrayRef, at::TensorList, at::TensorList,
+    at::TensorList, at::TensorList, at::IntArrayRef, int64_t, bool)>&
+ensemble_mlp_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("torchani_fast::ensemble_mlp", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(
+                                 const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                                 at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                                 at::IntArrayRef, int64_t, bool)>();
+  return op;
+}
+
 class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
  public:
   // The weights are constants (packed copies that never require grad): kept
@@ -237,75 +330,51 @@ class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
                             std::vector<at::Tensor> panels, std::vector<int64_t> layers,
                             int64_t members) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("torchani_fast::ensemble_mlp", "")
-                               .typed<std::tuple<at::Tensor, at::Tensor>(
-                                   const at::Tensor&, const at::Tensor&, at::IntArrayRef,
-                                   at::TensorList, at::TensorList, at::TensorList,
-                                   at::TensorList, at::IntArrayRef, int64_t, bool)>();
-    auto [values, jac] = op.call(aev, atoms, sizes, columns, first, packs, panels, layers,
-                                 members, true);
-    ctx->save_for_backward({aev});
-    ctx->saved_data["atoms"] = atoms;
-    ctx->saved_data["jac"] = jac;
-    ctx->saved_data["sizes"] = sizes;
-    ctx->saved_data["columns"] = columns;
-    ctx->saved_data["first"] = first;
-    ctx->saved_data["packs"] = packs;
-    ctx->saved_data["layers"] = layers;
-    ctx->saved_data["members"] = members;
+    auto [values, jac] = ensemble_mlp_op().call(aev, atoms, sizes, columns, first, packs, panels,
+                                                layers, members, true);
+    save_networks(ctx, aev, atoms, jac, sizes, columns, first, packs, layers, members);
     return values;
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    const at::Tensor aev = ctx->get_saved_variables()[0];
-    const at::Tensor grad = grads[0];
-    const at::Tensor atoms = ctx->saved_data["atoms"].toTensor();
-    const auto sizes = ctx->saved_data["sizes"].toIntVector();
-    const auto columns = ctx->saved_data["columns"].toTensorVector();
     tensor_list out(9);
-    // Grad mode is on here only under create_graph=True: then the backward is
-    // recorded, so that it can be differentiated again.
-    if (!at::GradMode::is_enabled()) {
-      static const auto op = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("torchani_fast::ensemble_mlp_backward", "")
-                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                   at::IntArrayRef, at::TensorList,
-                                                   const at::Tensor&, int64_t)>();
-      at::Tensor g = op.call(grad, atoms, sizes, columns, ctx->saved_data["jac"].toTensor(),
-                             aev.size(1));
-      if (g.dim() == 2) {  // every member had the same incoming gradient: grad * J
-        out[0] = g;
-        return out;
-      }
-    }
-    const auto first = ctx->saved_data["first"].toTensorVector();
-    const auto packs = ctx->saved_data["packs"].toTensorVector();
-    const auto layers = ctx->saved_data["layers"].toIntVector();
+    out[0] = networks_backward(ctx, grads[0]);
+    return out;
+  }
+};
+
+// ensemble_energies: the values reduced to (molecules,) in the op itself, so
+// that an energy + forces call has one autograd node for the networks.
+class EnsembleEnergiesFunction : public torch::autograd::Function<EnsembleEnergiesFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& aev, const at::Tensor& atoms,
+                            std::vector<int64_t> sizes, std::vector<at::Tensor> columns,
+                            std::vector<at::Tensor> first, std::vector<at::Tensor> packs,
+                            std::vector<at::Tensor> panels, std::vector<int64_t> layers,
+                            int64_t members, int64_t molecules, int64_t divisor) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    check_energies_args(aev, molecules, divisor);
+    auto [values, jac] = ensemble_mlp_op().call(aev, atoms, sizes, columns, first, packs, panels,
+                                                layers, members, true);
+    save_networks(ctx, aev, atoms, jac, sizes, columns, first, packs, layers, members);
+    ctx->saved_data["molecules"] = molecules;
+    ctx->saved_data["divisor"] = divisor;
+    return energies_from_values(values, molecules, divisor);
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const int64_t molecules = ctx->saved_data["molecules"].toInt();
     const int64_t members = ctx->saved_data["members"].toInt();
-    const bool differentiable = at::GradMode::is_enabled();
-    at::Tensor result = at::zeros_like(aev);
-    int64_t row = 0, pack = 0;
-    for (size_t g = 0; g < sizes.size(); ++g) {
-      const std::vector<at::Tensor> group_packs(packs.begin() + pack,
-                                                packs.begin() + pack + 2 * layers[g] - 1);
-      const at::Tensor& cols = columns[g];
-      const bool all_columns = cols.numel() == aev.size(1);
-      for (int64_t r0 = 0; r0 < sizes[g]; r0 += kRecomputeChunk) {
-        const at::Tensor chunk = atoms.narrow(0, row + r0, std::min(kRecomputeChunk, sizes[g] - r0));
-        at::Tensor x = aev.index_select(0, chunk);
-        if (!all_columns) x = x.index_select(1, cols);
-        const at::Tensor gx = mlp_input_grad(x, grad.index_select(1, chunk), first[g], group_packs,
-                                             members);
-        c10::List<std::optional<at::Tensor>> index;
-        index.push_back(all_columns ? chunk : chunk.unsqueeze(1));
-        if (!all_columns) index.push_back(cols.unsqueeze(0));
-        result = differentiable ? at::index_put(result, index, gx) : result.index_put_(index, gx);
-      }
-      row += sizes[g];
-      pack += 2 * layers[g] - 1;
-    }
-    out[0] = result;
+    const int64_t num_atoms = ctx->get_saved_variables()[0].size(0);
+    // The reduction's backward, as autograd would run it on the ATen reduction:
+    // grad / divisor, spread over each molecule's atoms and over the members.
+    const at::Tensor scaled = grads[0].div(ctx->saved_data["divisor"].toInt());
+    const int64_t rows = at::GradMode::is_enabled() ? members : 1;  // 1: grad * J reads one row
+    const at::Tensor grad_values = scaled.view({1, molecules, 1})
+                                       .expand({rows, molecules, num_atoms / molecules})
+                                       .reshape({rows, num_atoms});
+    tensor_list out(11);
+    out[0] = networks_backward(ctx, grad_values);
     return out;
   }
 };
@@ -326,6 +395,24 @@ at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& ato
   }
   return EnsembleFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first.vec(), packs.vec(),
                                  panels.vec(), layers.vec(), members);
+}
+
+at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& atoms,
+                                      at::IntArrayRef sizes, at::TensorList columns,
+                                      at::TensorList first, at::TensorList packs,
+                                      at::TensorList panels, at::IntArrayRef layers,
+                                      int64_t members, int64_t molecules, int64_t divisor) {
+  if (!(at::GradMode::is_enabled() && aev.requires_grad())) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("torchani_fast::ensemble_energies", "")
+                               .typed<decltype(ensemble_energies_autograd)>();
+    return op.call(aev, atoms, sizes, columns, first, packs, panels, layers, members, molecules,
+                   divisor);
+  }
+  return EnsembleEnergiesFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first.vec(),
+                                         packs.vec(), panels.vec(), layers.vec(), members,
+                                         molecules, divisor);
 }
 
 namespace {

@@ -453,6 +453,54 @@ at::Tensor ensemble_atomic_cpu(const at::Tensor& aev, const at::Tensor& atoms,
                                       members, false));
 }
 
+void check_energies_args(const at::Tensor& aev, int64_t molecules, int64_t divisor) {
+  TORCH_CHECK(aev.dim() == 2 && molecules >= 1 && aev.size(0) % molecules == 0,
+              "ensemble_energies: molecules = ", molecules, " must be >= 1 and divide the ",
+              aev.dim() == 2 ? aev.size(0) : -1, " rows of aev");
+  TORCH_CHECK(divisor >= 1, "ensemble_energies: divisor = ", divisor, " must be >= 1");
+}
+
+at::Tensor energies_from_values(const at::Tensor& values, int64_t molecules, int64_t divisor) {
+  // The ATen reductions FusedEnsemble._reduce runs, in its order (and so with
+  // its bits): over each molecule's atoms per member, over the members, / divisor.
+  return values.view({values.size(0), molecules, -1}).sum(2).sum(0).div(divisor);
+}
+
+at::Tensor ensemble_energies_cpu(const at::Tensor& aev, const at::Tensor& atoms,
+                                 at::IntArrayRef sizes, at::TensorList columns,
+                                 at::TensorList first, at::TensorList packs,
+                                 at::TensorList panels, at::IntArrayRef layers, int64_t members,
+                                 int64_t molecules, int64_t divisor) {
+  check_energies_args(aev, molecules, divisor);
+  const at::Tensor values = std::get<0>(ensemble_mlp_cpu(aev, atoms, sizes, columns, first, packs,
+                                                         panels, layers, members, false));
+  return energies_from_values(values, molecules, divisor);
+}
+
+std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
+                                                   int64_t num_species) {
+  TORCH_CHECK(elem_idxs.scalar_type() == at::kLong || elem_idxs.scalar_type() == at::kInt,
+              "group_atoms: elem_idxs must be int64 or int32, got ", elem_idxs.scalar_type());
+  TORCH_CHECK(num_species >= 1, "group_atoms: num_species = ", num_species, " must be >= 1");
+  const at::Tensor e = elem_idxs.to(at::kLong).contiguous();
+  const int64_t* ep = e.data_ptr<int64_t>();
+  const int64_t n = e.numel();
+  at::Tensor counts = at::zeros({num_species + 1}, e.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  auto slot = [&](int64_t v) { return v >= 0 && v < num_species ? v + 1 : 0; };
+  for (int64_t i = 0; i < n; ++i) cp[slot(ep[i])]++;
+  // A counting sort: by element, then by position, as a stable argsort would.
+  std::vector<int64_t> next(static_cast<size_t>(num_species + 1), 0);
+  for (int64_t s = 2; s <= num_species; ++s) next[s] = next[s - 1] + cp[s - 1];
+  at::Tensor atoms = at::empty({n - cp[0]}, e.options());
+  int64_t* ap = atoms.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = slot(ep[i]);
+    if (s > 0) ap[next[s]++] = i;
+  }
+  return {atoms, counts};
+}
+
 at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,
                                      at::IntArrayRef sizes, at::TensorList columns,
                                      const at::Tensor& jacobian, int64_t features) {

@@ -261,6 +261,31 @@ at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& ato
                                     at::TensorList panels, at::IntArrayRef layers,
                                     int64_t members);
 
+// ensemble_energies: ensemble_atomic's values reduced to energies
+// (molecules,): summed over each molecule's atoms (aev holds molecules x atoms
+// rows) and over the members, divided by `divisor` (the number of active
+// members, TorchANI's mean). One op and one autograd node instead of four
+// (autograd.cpp: its backward is grad / divisor * J, or the recomputation).
+void check_energies_args(const at::Tensor& aev, int64_t molecules, int64_t divisor);
+at::Tensor energies_from_values(const at::Tensor& values, int64_t molecules, int64_t divisor);
+at::Tensor ensemble_energies_cpu(const at::Tensor& aev, const at::Tensor& atoms,
+                                 at::IntArrayRef sizes, at::TensorList columns,
+                                 at::TensorList first, at::TensorList packs,
+                                 at::TensorList panels, at::IntArrayRef layers, int64_t members,
+                                 int64_t molecules, int64_t divisor);
+at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& atoms,
+                                      at::IntArrayRef sizes, at::TensorList columns,
+                                      at::TensorList first, at::TensorList packs,
+                                      at::TensorList panels, at::IntArrayRef layers,
+                                      int64_t members, int64_t molecules, int64_t divisor);
+
+// group_atoms: the atoms (flat indices) of elements 0 .. num_species-1,
+// ordered by element and then by index (a stable argsort by element), and
+// counts (num_species + 1,): [atoms of no element (padding, -1, or out of
+// range), atoms of element 0, element 1, ...].
+std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
+                                                   int64_t num_species);
+
 // Input validation in one pass (validate_cpu.cpp; torchani_fast/validation.py
 // words the errors). first_invalid_atom: the flat index of the first atom with
 // species < -1, or species >= 0 and a non-finite coordinate; -1 if none.

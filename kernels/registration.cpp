@@ -13,7 +13,8 @@ TORCH_LIBRARY(torchani_fast, m) {
   for (const char* schema :
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
-        kEnsembleMlpBackward, kEnsembleAtomic, kFirstInvalidAtom, kConvertSpecies}) {
+        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kGroupAtoms, kFirstInvalidAtom,
+        kConvertSpecies}) {
     m.def(schema);
   }
 }
@@ -32,6 +33,8 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("ensemble_mlp", &ensemble_mlp_cpu);
   m.impl("ensemble_mlp_backward", &ensemble_mlp_backward_cpu);
   m.impl("ensemble_atomic", &ensemble_atomic_cpu);
+  m.impl("ensemble_energies", &ensemble_energies_cpu);
+  m.impl("group_atoms", &group_atoms_cpu);
   m.impl("first_invalid_atom", &first_invalid_atom_cpu);
   m.impl("convert_species", &convert_species_cpu);
 }
@@ -60,6 +63,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
   m.impl("aev_double_backward", &AevDoubleBackwardOp::flat<&aev_double_backward_autograd>);
   m.impl("aev_local_derivatives", &AevLocalDerivativesOp::flat<&aev_local_derivatives_autograd>);
   m.impl("ensemble_atomic", &ensemble_atomic_autograd);
+  m.impl("ensemble_energies", &ensemble_energies_autograd);
 }
 
 // `from torchani_fast import _C` runs the static registrations above; the module

@@ -40,6 +40,12 @@ constexpr const char* kEnsembleMlpBackward =
 constexpr const char* kEnsembleAtomic =
     "ensemble_atomic(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
     "Tensor[] packs, Tensor[] panels, int[] layers, int members) -> Tensor";
+constexpr const char* kEnsembleEnergies =
+    "ensemble_energies(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
+    "Tensor[] packs, Tensor[] panels, int[] layers, int members, int molecules, int divisor) -> "
+    "Tensor";
+constexpr const char* kGroupAtoms =
+    "group_atoms(Tensor elem_idxs, int num_species) -> (Tensor atoms, Tensor counts)";
 constexpr const char* kFirstInvalidAtom = "first_invalid_atom(Tensor species, Tensor coords) -> int";
 constexpr const char* kConvertSpecies =
     "convert_species(Tensor atomic_nums, Tensor conv) -> (Tensor elem_idxs, int first_invalid)";

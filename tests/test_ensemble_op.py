@@ -262,3 +262,70 @@ def test_ensemble_atomic_opcheck():
     torch.library.opcheck(torch.ops.torchani_fast.ensemble_atomic.default,
                           (aev, atoms, sizes, columns, first, packs, panels, layers, 2),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# --- ensemble_energies: the values reduced to energies in the op ----------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_ensemble_energies_values_and_gradients(dtype):
+    # (molecules,) = sum over each molecule's atoms and the members / divisor,
+    # bit for bit the ATen reduction of ensemble_atomic's values; gradients
+    # (grad * J, and create_graph=True) against autograd through plain PyTorch.
+    widths, cols, sizes = CASES["ani-like"]
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(dtype, 3, widths, cols, sizes)
+    assert aev.shape[0] == 208  # 4 molecules of 52 rows
+    panels = panels_of(first, packs, layers, 3) if dtype == torch.float32 else []
+    args = (atoms, sizes, columns, first, packs, panels, layers, 3)
+    energies = torch.ops.torchani_fast.ensemble_energies
+    for divisor in (3, 5):
+        values = torch.ops.torchani_fast.ensemble_atomic(aev, *args)
+        expected = values.view(3, 4, -1).sum(2).sum(0) / divisor
+        assert torch.equal(energies(aev, *args, 4, divisor), expected)
+    x = aev.clone().requires_grad_(True)
+    weights = torch.rand(4, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    (grad,) = torch.autograd.grad((energies(x, *args, 4, 5) * weights).sum(), x, create_graph=dtype == torch.float64)
+    ref_energies = reference_values(x, atoms, sizes, columns, mlps).view(3, 4, -1).sum(2).sum(0) / 5
+    (grad_ref,) = torch.autograd.grad((ref_energies * weights).sum(), x, create_graph=dtype == torch.float64)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, grad_ref, **tol)
+    if dtype == torch.float64:  # the backward is differentiable (Hessian-vector products)
+        tangent = torch.rand(aev.shape, dtype=dtype, generator=torch.Generator().manual_seed(4))
+        hvp = torch.autograd.grad((grad * tangent).sum(), x)[0]
+        hvp_ref = torch.autograd.grad((grad_ref * tangent).sum(), x)[0]
+        torch.testing.assert_close(hvp, hvp_ref, **tol)
+
+
+def test_ensemble_energies_gradcheck_and_errors():
+    widths, cols, sizes = [8, 4], [6, 10], [4, 3]
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float64, 2, widths, cols, sizes, features=12)
+    aev = torch.cat([aev, aev.new_zeros(2, aev.shape[1])])  # 12 rows: 3 molecules of 4
+    args = (atoms, sizes, columns, first, packs, [], layers, 2)
+    f = lambda y: torch.ops.torchani_fast.ensemble_energies(y, *args, 3, 2)  # noqa: E731
+    x = aev.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(f, (x,))
+    assert torch.autograd.gradgradcheck(f, (x,))
+    torch.library.opcheck(torch.ops.torchani_fast.ensemble_energies.default, (aev, *args, 3, 2),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="molecules = 5 must be >= 1 and divide the 12 rows"):
+        torch.ops.torchani_fast.ensemble_energies(aev, *args, 5, 2)
+    with pytest.raises(RuntimeError, match="divisor = 0 must be >= 1"):
+        torch.ops.torchani_fast.ensemble_energies(aev, *args, 3, 0)
+
+
+@pytest.mark.parametrize("int_dtype", [torch.int64, torch.int32])
+def test_group_atoms_is_a_stable_sort_by_element(int_dtype):
+    # Atoms of elements 0..S-1 by element then index (what a stable argsort
+    # gives); padding (-1) and indices out of range belong to no group.
+    g = torch.Generator().manual_seed(5)
+    elem = torch.randint(-1, 5, (7, 11), generator=g).to(int_dtype)  # 4 = out of range for S = 4
+    atoms, counts = torch.ops.torchani_fast.group_atoms(elem, 4)
+    flat = elem.flatten().long()
+    in_range = (flat >= 0) & (flat < 4)
+    expected = torch.argsort(torch.where(in_range, flat, 4), stable=True)[: int(in_range.sum())]
+    assert torch.equal(atoms, expected)
+    assert counts.tolist() == [int((~in_range).sum())] + [int((flat == e).sum()) for e in range(4)]
+    atoms, counts = torch.ops.torchani_fast.group_atoms(torch.full((2, 3), -1, dtype=int_dtype), 4)
+    assert atoms.shape == (0,) and counts.tolist() == [6, 0, 0, 0, 0]
+    torch.library.opcheck(torch.ops.torchani_fast.group_atoms.default, (elem, 4),
+                          test_utils=("test_schema", "test_faketensor"))

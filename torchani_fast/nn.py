@@ -14,7 +14,8 @@ after every layer but the last:
   16-column panel copies of the weights (W and W^T; blocks of 1-2 atoms take
   their backward from W, which the forward has just read), made once and cached;
   other CPUs and float64 call BLAS. ``native_cpu = False`` turns it off.
-  Eager and scripted models call it through ``ensemble_atomic``, the same
+  Eager and scripted models call it through ``ensemble_atomic`` (values) or
+  ``ensemble_energies`` (their reduction to energies), the same
   kernels with their autograd in C++ (``kernels/autograd.cpp``), so a model
   saved with ``torch.jit.save`` and loaded without Python (OpenMM-Torch) gets
   them too.
@@ -58,7 +59,11 @@ next call, also once the parameters are frozen again.
 **Per-call cost (eager CPU).** The op's arguments for a set of members and
 groups are kept in a small dict next to the cache, so a call with a
 composition seen before does no packing or list building in Python; the op
-writes each atom's values in its own column (no scatter afterwards).
+writes each atom's values in its own column (no scatter afterwards). Atoms are
+grouped by one C++ pass (``group_atoms``), and energies (not atomic, not per
+member) come reduced from the op itself (``ensemble_energies``): one op and one
+autograd node where the reduction took four of each, which after the op has
+streamed the weights through the caches cost 50-100 us per call.
 
 **Backward passes.** The usual backward (energies, atomic energies or forces of
 an ensemble mean: the same incoming gradient for every member) is ``grad * J``.
@@ -111,7 +116,7 @@ class _FusedBase(AtomicContainer):
     recompute_min_bytes: int
     recompute_min_bytes_gpu: int
     small_group_atoms: int
-    native_cpu: bool  # CPU calls use the C++ op ensemble_atomic (see the module doc)
+    native_cpu: bool  # CPU calls use the C++ ops ensemble_atomic / ensemble_energies (module doc)
     num_layers: tp.List[int]  # per element: number of Linear layers (hidden + final)
     hidden_widths: tp.List[int]  # per element: sum of the hidden layers' widths
     offsets: tp.List[int]  # per element: first index of its packs in the hidden entry
@@ -191,7 +196,11 @@ class _FusedBase(AtomicContainer):
         """
         assert aevs is not None, "aevs is required"
         assert elem_idxs.shape == aevs.shape[:-1], "elem_idxs must be (M, A) and aevs (M, A, F)"
-        values = self._member_atomic(elem_idxs.flatten(), aevs.flatten(0, 1))
+        reduce = not atomic and not (ensemble_values and self.is_ensemble)
+        values = self._member_atomic(elem_idxs.flatten(), aevs.flatten(0, 1),
+                                     elem_idxs.shape[0] if reduce else 0)
+        if values.dim() == 1:  # energies, already reduced by the op
+            return values
         return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], atomic, ensemble_values)
 
     def _reduce(self, values: Tensor, molecules: int, atoms: int, atomic: bool, ensemble_values: bool) -> Tensor:
@@ -250,24 +259,24 @@ class _FusedBase(AtomicContainer):
 
     # -- evaluation -------------------------------------------------------------------
 
-    def _member_atomic(self, flat: Tensor, aev: Tensor) -> Tensor:
-        """Atomic energies (members, M*A) of the distinct active members, in index order."""
+    def _member_atomic(self, flat: Tensor, aev: Tensor, molecules: int = 0) -> Tensor:
+        """Atomic energies (members, M*A) of the distinct active members, in index order.
+
+        With ``molecules`` > 0 the CPU op may instead return the energies
+        (molecules,) that ``_reduce`` would make of them (then 1-D).
+        """
         k = len(self._evaluated_members())
         if k == 0:
             return aev.new_zeros((0, flat.shape[0]))
-        key, n_pad, group_elem, group_mask, group_size = self._groups(flat, aev)
+        atoms, group_elem, group_mask, group_size = self._groups(flat, aev)
         if len(group_size) == 0:
             return aev.new_zeros((k, flat.shape[0]))
-        n_atoms = 0
-        for n in group_size:
-            n_atoms += n
-        # Atoms ordered by (element, group) with one stable sort, padding first.
-        atoms = torch.argsort(key, stable=True).narrow(0, n_pad, n_atoms)
-        return self._grouped_atomic(flat.shape[0], aev, atoms, group_elem, group_mask, group_size)
+        return self._grouped_atomic(flat.shape[0], aev, atoms, group_elem, group_mask, group_size,
+                                    molecules)
 
     def _grouped_atomic(
         self, num_atoms: int, aev: Tensor, atoms: Tensor, group_elem: tp.List[int],
-        group_mask: tp.List[int], group_size: tp.List[int],
+        group_mask: tp.List[int], group_size: tp.List[int], molecules: int = 0,
     ) -> Tensor:
         """``_member_atomic`` once the groups are known: no host synchronisation."""
         act = self._evaluated_members()
@@ -275,9 +284,15 @@ class _FusedBase(AtomicContainer):
         if aev.device.type == "cpu" and self.native_cpu:
             args = self._native_args(act, group_elem, group_mask)
             if args is not None:
-                # The C++ kernels through ensemble_atomic, whose autograd is in C++
-                # (a scripted model loaded without Python differentiates too).
+                # The C++ kernels through ensemble_atomic / ensemble_energies,
+                # whose autograd is in C++ (a scripted model loaded without
+                # Python differentiates too).
                 columns, first, packs, panels, layers = args
+                if molecules > 0:
+                    divisor = len(self.active_members_idxs) if self.is_ensemble else 1
+                    return torch.ops.torchani_fast.ensemble_energies(
+                        aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k,
+                        molecules, divisor)
                 return torch.ops.torchani_fast.ensemble_atomic(
                     aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k)
         ws: tp.List[tp.List[tp.List[Tensor]]] = []
@@ -437,10 +452,7 @@ class _FusedBase(AtomicContainer):
         elements never change: with the groups computed once, an evaluation has
         no host synchronisation and can be captured in a CUDA graph.
         """
-        flat = elem_idxs.flatten()
-        key, n_pad, elems, masks, sizes = self._composition_groups(flat)
-        atoms = torch.argsort(key, stable=True).narrow(0, n_pad, sum(sizes))
-        return atoms, elems, masks, sizes
+        return self._composition_groups(elem_idxs.flatten())
 
     @torch.jit.unused
     def energies_fixed(
@@ -454,12 +466,25 @@ class _FusedBase(AtomicContainer):
         if k == 0 or not sizes:
             values = aevs.new_zeros((k, num_atoms))
         else:
-            values = self._grouped_atomic(num_atoms, aevs.flatten(0, 1), atoms, elems, masks, sizes)
+            values = self._grouped_atomic(num_atoms, aevs.flatten(0, 1), atoms, elems, masks, sizes,
+                                          elem_idxs.shape[0])
+            if values.dim() == 1:  # energies, already reduced by the op
+                return values
         return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], False, False)
 
-    def _composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, int, tp.List[int], tp.List[int], tp.List[int]]:
+    def _composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
         """``_groups`` without splits: one group per element present, all reading every present block."""
-        counts: tp.List[int] = torch.bincount(flat + 1, minlength=self.num_species + 1).tolist()
+        if flat.device.type == "cpu":
+            # One C++ pass (a counting sort) instead of bincount + argsort.
+            atoms, count_tensor = torch.ops.torchani_fast.group_atoms(flat, self.num_species)
+            counts: tp.List[int] = count_tensor.tolist()
+        else:
+            counts: tp.List[int] = torch.bincount(flat + 1, minlength=self.num_species + 1).tolist()
+            n_atoms = 0
+            for e in range(self.num_species):
+                n_atoms += counts[e + 1]
+            # Atoms ordered by element with one stable sort, padding first.
+            atoms = torch.argsort(flat, stable=True).narrow(0, counts[0], n_atoms)
         composition = 0
         for e in range(self.num_species):
             if counts[e + 1] > 0:
@@ -472,15 +497,14 @@ class _FusedBase(AtomicContainer):
                 elems.append(e)
                 masks.append(composition)
                 sizes.append(counts[e + 1])
-        return flat, counts[0], elems, masks, sizes
+        return atoms, elems, masks, sizes
 
-    def _groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, int, tp.List[int], tp.List[int], tp.List[int]]:
+    def _groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
         """How atoms are grouped for layer 1.
 
-        Returns a sort key per atom (a stable sort puts padding first, then the
-        groups in order), the number of padding atoms, and per group its element,
-        the bitmask of elements whose AEV columns it uses, and its size. One host
-        sync (cheap on CPU), two when a split is considered.
+        Returns the atoms of all groups, group after group (no padding), and per
+        group its element, the bitmask of elements whose AEV columns it uses,
+        and its size. One host sync (cheap on CPU), two when a split is considered.
         """
         num_species = self.num_species
         r = self.radial_sublen
@@ -517,12 +541,7 @@ class _FusedBase(AtomicContainer):
             split = split or bits != 0
             rare.append(bits)
         if not split:
-            for e in range(num_species):
-                if table[e + 1][0] > 0:
-                    elems.append(e)
-                    masks.append(composition)
-                    sizes.append(table[e + 1][0])
-            return flat, table[0][0], elems, masks, sizes
+            return self._composition_groups(flat)
         rare_rows: tp.List[tp.List[bool]] = []
         for e in range(num_species):
             rare_rows.append([(rare[e] >> s) & 1 == 1 for s in range(num_species)])
@@ -538,7 +557,12 @@ class _FusedBase(AtomicContainer):
                     elems.append(e)
                     masks.append(composition - (composition & rare[e]) if g == 0 else composition)
                     sizes.append(n)
-        return key, table[0][0], elems, masks, sizes
+        n_atoms = 0
+        for n in sizes:
+            n_atoms += n
+        # Atoms ordered by (element, group) with one stable sort, padding (key -2) first.
+        atoms = torch.argsort(key, stable=True).narrow(0, key_counts[0], n_atoms)
+        return atoms, elems, masks, sizes
 
     def _evaluated_members(self) -> tp.List[int]:
         if not self.is_ensemble:

@@ -345,3 +345,18 @@ def _ensemble_atomic_fake(aev, atoms, sizes, columns, first, packs, panels, laye
     torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
     torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
     return aev.new_empty((members, aev.shape[0]))
+
+
+@torch.library.register_fake("torchani_fast::ensemble_energies")
+def _ensemble_energies_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members,
+                            molecules, divisor):
+    torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
+    torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
+    return aev.new_empty((molecules,))
+
+
+@torch.library.register_fake("torchani_fast::group_atoms")
+def _group_atoms_fake(elem_idxs, num_species):
+    num_atoms = torch.library.get_ctx().new_dynamic_size()
+    return (elem_idxs.new_empty((num_atoms,), dtype=torch.long),
+            elem_idxs.new_empty((num_species + 1,), dtype=torch.long))

@@ -477,28 +477,114 @@ at::Tensor ensemble_energies_cpu(const at::Tensor& aev, const at::Tensor& atoms,
   return energies_from_values(values, molecules, divisor);
 }
 
+// Whether any of p[0 .. n) is nonzero (NaN counts, as ne(0) does); no early
+// exit, so that the loop vectorises.
+template <typename T>
+bool any_nonzero(const T* p, int64_t n) {
+  int nonzero = 0;
+  for (int64_t c = 0; c < n; ++c) nonzero |= p[c] != T(0);
+  return nonzero != 0;
+}
+
 std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
-                                                   int64_t num_species) {
+                                                   int64_t num_species,
+                                                   const c10::optional<at::Tensor>& aev,
+                                                   int64_t radial_sublen, int64_t split_min_atoms) {
   TORCH_CHECK(elem_idxs.scalar_type() == at::kLong || elem_idxs.scalar_type() == at::kInt,
               "group_atoms: elem_idxs must be int64 or int32, got ", elem_idxs.scalar_type());
-  TORCH_CHECK(num_species >= 1, "group_atoms: num_species = ", num_species, " must be >= 1");
+  TORCH_CHECK(num_species >= 1 && num_species <= 62, "group_atoms: num_species = ", num_species,
+              " must be in [1, 62]");
+  const int64_t S = num_species;
   const at::Tensor e = elem_idxs.to(at::kLong).contiguous();
   const int64_t* ep = e.data_ptr<int64_t>();
   const int64_t n = e.numel();
-  at::Tensor counts = at::zeros({num_species + 1}, e.options());
-  int64_t* cp = counts.data_ptr<int64_t>();
-  auto slot = [&](int64_t v) { return v >= 0 && v < num_species ? v + 1 : 0; };
-  for (int64_t i = 0; i < n; ++i) cp[slot(ep[i])]++;
-  // A counting sort: by element, then by position, as a stable argsort would.
-  std::vector<int64_t> next(static_cast<size_t>(num_species + 1), 0);
-  for (int64_t s = 2; s <= num_species; ++s) next[s] = next[s - 1] + cp[s - 1];
-  at::Tensor atoms = at::empty({n - cp[0]}, e.options());
-  int64_t* ap = atoms.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t s = slot(ep[i]);
-    if (s > 0) ap[next[s]++] = i;
+  auto element = [&](int64_t a) { return ep[a] >= 0 && ep[a] < S ? ep[a] : int64_t(-1); };
+  std::vector<int64_t> count(S, 0);
+  int64_t composition = 0;
+  for (int64_t a = 0; a < n; ++a) {
+    const int64_t el = element(a);
+    if (el >= 0) {
+      count[el]++;
+      composition |= int64_t(1) << el;
+    }
   }
-  return {atoms, counts};
+  // Rare elements per element (FusedEnsemble._groups): seen, within the radial
+  // cutoff (a nonzero radial block), by at most a quarter of its atoms, when
+  // enough atoms see none of them to be worth a second group.
+  std::vector<int64_t> rare(S, 0), seen;
+  const bool consider = aev.has_value() && radial_sublen > 0 && n >= 2 * split_min_atoms;
+  if (consider) {
+    const at::Tensor x = aev->contiguous();
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == n && x.size(1) >= S * radial_sublen,
+                "group_atoms: aev must be (", n, ", >= ", S * radial_sublen, "), got ", x.sizes());
+    seen.assign(n, 0);
+    std::vector<int64_t> table(S * S, 0);  // [element][neighbour element]: atoms that see it
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_atoms", [&] {
+      const scalar_t* xp = x.data_ptr<scalar_t>();
+      const int64_t F = x.size(1);
+      for (int64_t a = 0; a < n; ++a) {
+        const scalar_t* row = xp + a * F;
+        int64_t bits = 0;
+        for (int64_t s = 0; s < S; ++s) {
+          if (any_nonzero(row + s * radial_sublen, radial_sublen)) bits |= int64_t(1) << s;
+        }
+        seen[a] = bits;
+        const int64_t el = element(a);
+        if (el < 0) continue;
+        for (int64_t s = 0; s < S; ++s)
+          if ((bits >> s) & 1) table[el * S + s]++;
+      }
+    });
+    for (int64_t el = 0; el < S; ++el) {
+      if (count[el] < 2 * split_min_atoms) continue;
+      int64_t bits = 0, hits = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t c = table[el * S + s];
+        if (c > 0 && 4 * c <= count[el]) {
+          bits |= int64_t(1) << s;
+          hits += c;
+        }
+      }
+      rare[el] = count[el] - hits < split_min_atoms ? 0 : bits;
+    }
+  }
+  // Key 2 * element + (sees a rare element); a counting sort by key, stable in
+  // the atom index (what a stable argsort gives).
+  auto key = [&](int64_t a) {
+    const int64_t el = element(a);
+    if (el < 0) return int64_t(-1);
+    return 2 * el + ((consider && (seen[a] & rare[el]) != 0) ? 1 : 0);
+  };
+  std::vector<int64_t> size(2 * S, 0);
+  for (int64_t a = 0; a < n; ++a) {
+    const int64_t k = key(a);
+    if (k >= 0) size[k]++;
+  }
+  std::vector<int64_t> next(2 * S, 0);
+  int64_t groups = 0, total = 0;
+  for (int64_t k = 0; k < 2 * S; ++k) {
+    next[k] = total;
+    total += size[k];
+    groups += size[k] > 0;
+  }
+  at::Tensor atoms = at::empty({total}, e.options());
+  int64_t* ap = atoms.data_ptr<int64_t>();
+  for (int64_t a = 0; a < n; ++a) {
+    const int64_t k = key(a);
+    if (k >= 0) ap[next[k]++] = a;
+  }
+  at::Tensor info = at::empty({groups, 3}, e.options());
+  int64_t* ip = info.data_ptr<int64_t>();
+  for (int64_t k = 0, g = 0; k < 2 * S; ++k) {
+    if (size[k] == 0) continue;
+    const int64_t el = k / 2;
+    ip[3 * g] = el;
+    // Atoms that see none of the rare elements skip their columns.
+    ip[3 * g + 1] = k % 2 == 0 ? composition & ~rare[el] : composition;
+    ip[3 * g + 2] = size[k];
+    ++g;
+  }
+  return {atoms, info};
 }
 
 at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,

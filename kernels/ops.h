@@ -279,12 +279,19 @@ at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& a
                                       at::TensorList panels, at::IntArrayRef layers,
                                       int64_t members, int64_t molecules, int64_t divisor);
 
-// group_atoms: the atoms (flat indices) of elements 0 .. num_species-1,
-// ordered by element and then by index (a stable argsort by element), and
-// counts (num_species + 1,): [atoms of no element (padding, -1, or out of
-// range), atoms of element 0, element 1, ...].
+// group_atoms: how FusedEnsemble groups atoms for layer 1 (nn.py, _groups):
+// one group per element present, reading the AEV columns of every element
+// present (a bitmask); with aev (rows, features) given and at least
+// 2 * split_min_atoms rows, an element's atoms are split in two groups when
+// some present elements are seen (nonzero radial block of width radial_sublen)
+// by at most a quarter of them and at least split_min_atoms see none: those
+// skip the columns of these "rare" elements. Returns the atoms (flat indices
+// of elements 0 .. num_species-1) group after group, each group in index
+// order, and groups (G, 3): element, column bitmask, size.
 std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
-                                                   int64_t num_species);
+                                                   int64_t num_species,
+                                                   const c10::optional<at::Tensor>& aev,
+                                                   int64_t radial_sublen, int64_t split_min_atoms);
 
 // Input validation in one pass (validate_cpu.cpp; torchani_fast/validation.py
 // words the errors). first_invalid_atom: the flat index of the first atom with

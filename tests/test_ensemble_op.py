@@ -315,17 +315,19 @@ def test_ensemble_energies_gradcheck_and_errors():
 
 @pytest.mark.parametrize("int_dtype", [torch.int64, torch.int32])
 def test_group_atoms_is_a_stable_sort_by_element(int_dtype):
-    # Atoms of elements 0..S-1 by element then index (what a stable argsort
-    # gives); padding (-1) and indices out of range belong to no group.
+    # Without an AEV: one group per element present, atoms by element then index
+    # (what a stable argsort gives); padding (-1) and indices out of range
+    # belong to no group; every group reads the columns of every element present.
     g = torch.Generator().manual_seed(5)
     elem = torch.randint(-1, 5, (7, 11), generator=g).to(int_dtype)  # 4 = out of range for S = 4
-    atoms, counts = torch.ops.torchani_fast.group_atoms(elem, 4)
+    elem[elem == 2] = 1  # element 2 absent
+    atoms, groups = torch.ops.torchani_fast.group_atoms(elem, 4)
     flat = elem.flatten().long()
     in_range = (flat >= 0) & (flat < 4)
     expected = torch.argsort(torch.where(in_range, flat, 4), stable=True)[: int(in_range.sum())]
     assert torch.equal(atoms, expected)
-    assert counts.tolist() == [int((~in_range).sum())] + [int((flat == e).sum()) for e in range(4)]
-    atoms, counts = torch.ops.torchani_fast.group_atoms(torch.full((2, 3), -1, dtype=int_dtype), 4)
-    assert atoms.shape == (0,) and counts.tolist() == [6, 0, 0, 0, 0]
-    torch.library.opcheck(torch.ops.torchani_fast.group_atoms.default, (elem, 4),
-                          test_utils=("test_schema", "test_faketensor"))
+    assert groups.tolist() == [[e, 0b1011, int((flat == e).sum())] for e in (0, 1, 3)]
+    atoms, groups = torch.ops.torchani_fast.group_atoms(torch.full((2, 3), -1, dtype=int_dtype), 4)
+    assert atoms.shape == (0,) and groups.shape == (0, 3)
+    with pytest.raises(RuntimeError, match="aev must be"):
+        torch.ops.torchani_fast.group_atoms(elem, 4, torch.zeros(5, 64), 16, 1)

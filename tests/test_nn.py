@@ -519,6 +519,33 @@ def test_rare_element_split():
     assert_forces(f, f_ref, torch.float64)
 
 
+@pytest.mark.parametrize("split_min_atoms", [32, 64])
+def test_grouping_op_matches_the_aten_grouping(split_min_atoms):
+    # torchani_fast::group_atoms (CPU) groups atoms exactly as the ATen code that
+    # other devices run: the same atoms in the same order, elements, column masks
+    # and sizes; with rare elements (splits, small.xyz with one S, then a second
+    # molecule without it), padding, and without the AEV (composition only).
+    _, fast = model_pair("ANI2x", torch.float32)
+    nn = fast.potentials["nnp"].neural_networks
+    nn.split_min_atoms = split_min_atoms
+    species, coords = padded_batch(["small.xyz", "small.xyz", "CH4-5.xyz"], torch.float32)
+    species[0, (species[0] == 6).nonzero()[0]] = 16
+    species[1, (species[1] == 7).nonzero()[:2, 0]] = 17
+    elem = fast.species_converter(species)
+    aev = fast.potentials["nnp"].aev_computer(elem, coords).flatten(0, 1)
+    for native, aten in ((nn._groups(elem.flatten(), aev), nn._aten_groups(elem.flatten(), aev)),
+                         (nn._composition_groups(elem.flatten()), nn._aten_composition_groups(elem.flatten()))):
+        assert torch.equal(native[0], aten[0])
+        assert native[1:] == aten[1:]
+    assert len(set(nn._groups(elem.flatten(), aev)[2])) > 1  # a split happened
+    atoms, info = torch.ops.torchani_fast.group_atoms(elem.flatten().int(), nn.num_species, aev, nn.radial_sublen,
+                                                      split_min_atoms)
+    assert torch.equal(atoms, nn._groups(elem.flatten(), aev)[0]) and info.shape[1] == 3
+    torch.library.opcheck(torch.ops.torchani_fast.group_atoms.default,
+                          (elem.flatten(), nn.num_species, aev, nn.radial_sublen, split_min_atoms),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_unsupported_networks_are_reported():
     gelu = torchani.nn.ANINetworks.build(["H", "C"], 384, {"H": (16,), "C": (16,)}, activation="gelu", bias=True)
     assert "TightCELU" in unsupported_reason(gelu)

@@ -475,16 +475,16 @@ class _FusedBase(AtomicContainer):
     def _composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
         """``_groups`` without splits: one group per element present, all reading every present block."""
         if flat.device.type == "cpu":
-            # One C++ pass (a counting sort) instead of bincount + argsort.
-            atoms, count_tensor = torch.ops.torchani_fast.group_atoms(flat, self.num_species)
-            counts: tp.List[int] = count_tensor.tolist()
-        else:
-            counts: tp.List[int] = torch.bincount(flat + 1, minlength=self.num_species + 1).tolist()
-            n_atoms = 0
-            for e in range(self.num_species):
-                n_atoms += counts[e + 1]
-            # Atoms ordered by element with one stable sort, padding first.
-            atoms = torch.argsort(flat, stable=True).narrow(0, counts[0], n_atoms)
+            return self._native_groups(flat, None)
+        return self._aten_composition_groups(flat)
+
+    def _aten_composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
+        counts: tp.List[int] = torch.bincount(flat + 1, minlength=self.num_species + 1).tolist()
+        n_atoms = 0
+        for e in range(self.num_species):
+            n_atoms += counts[e + 1]
+        # Atoms ordered by element with one stable sort, padding first.
+        atoms = torch.argsort(flat, stable=True).narrow(0, counts[0], n_atoms)
         composition = 0
         for e in range(self.num_species):
             if counts[e + 1] > 0:
@@ -499,6 +499,22 @@ class _FusedBase(AtomicContainer):
                 sizes.append(counts[e + 1])
         return atoms, elems, masks, sizes
 
+    def _native_groups(self, flat: Tensor, aev: tp.Optional[Tensor]) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
+        """``_groups`` (with ``aev``) or ``_composition_groups`` (without) in one C++
+        pass over the atoms (``group_atoms``), for CPU tensors: the ATen version
+        below took ~15 small ops, 1.4-1.7 ms per call for 1 000-3 000 atoms."""
+        atoms, info = torch.ops.torchani_fast.group_atoms(
+            flat, self.num_species, aev, self.radial_sublen, self.split_min_atoms)
+        rows: tp.List[tp.List[int]] = info.tolist()
+        elems: tp.List[int] = []
+        masks: tp.List[int] = []
+        sizes: tp.List[int] = []
+        for row in rows:
+            elems.append(row[0])
+            masks.append(row[1])
+            sizes.append(row[2])
+        return atoms, elems, masks, sizes
+
     def _groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
         """How atoms are grouped for layer 1.
 
@@ -506,10 +522,16 @@ class _FusedBase(AtomicContainer):
         group its element, the bitmask of elements whose AEV columns it uses,
         and its size. One host sync (cheap on CPU), two when a split is considered.
         """
+        if flat.device.type == "cpu":
+            return self._native_groups(flat, aev)
+        return self._aten_groups(flat, aev)
+
+    def _aten_groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
+        """``_groups`` with ATen ops (any device; the CPU takes ``group_atoms``)."""
         num_species = self.num_species
         r = self.radial_sublen
         if r == 0 or flat.shape[0] < 2 * self.split_min_atoms:
-            return self._composition_groups(flat)
+            return self._aten_composition_groups(flat)
         elems: tp.List[int] = []
         masks: tp.List[int] = []
         sizes: tp.List[int] = []
@@ -541,7 +563,7 @@ class _FusedBase(AtomicContainer):
             split = split or bits != 0
             rare.append(bits)
         if not split:
-            return self._composition_groups(flat)
+            return self._aten_composition_groups(flat)
         rare_rows: tp.List[tp.List[bool]] = []
         for e in range(num_species):
             rare_rows.append([(rare[e] >> s) & 1 == 1 for s in range(num_species)])

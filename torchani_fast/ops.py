@@ -356,7 +356,7 @@ def _ensemble_energies_fake(aev, atoms, sizes, columns, first, packs, panels, la
 
 
 @torch.library.register_fake("torchani_fast::group_atoms")
-def _group_atoms_fake(elem_idxs, num_species):
-    num_atoms = torch.library.get_ctx().new_dynamic_size()
-    return (elem_idxs.new_empty((num_atoms,), dtype=torch.long),
-            elem_idxs.new_empty((num_species + 1,), dtype=torch.long))
+def _group_atoms_fake(elem_idxs, num_species, aev=None, radial_sublen=0, split_min_atoms=0):
+    ctx = torch.library.get_ctx()
+    atoms = elem_idxs.new_empty((ctx.new_dynamic_size(),), dtype=torch.long)
+    return atoms, elem_idxs.new_empty((ctx.new_dynamic_size(), 3), dtype=torch.long)

@@ -199,7 +199,8 @@ struct AevDoubleBackwardDerivs {
 };
 
 // ---------------------------------------------------------------------------
-// ensemble_atomic: the networks' values (members, atoms), differentiable in aev.
+// ensemble_atomic / ensemble_energies: the networks' values (members, atoms)
+// or energies (molecules,), differentiable in aev.
 // ---------------------------------------------------------------------------
 
 // PyTorch's CELU backward scales by 1 / float32(alpha) even in float64 (see
@@ -262,90 +263,12 @@ at::Tensor recompute_aev_grad(const at::Tensor& aev, const at::Tensor& grad_valu
   return result;
 }
 
-// What the backward of both functions below keeps: J (ensemble_mlp's
-// jacobian) for grad * J, and the weights for a recomputation.
-void save_networks(AutogradContext* ctx, const at::Tensor& aev, const at::Tensor& atoms,
-                   const at::Tensor& jac, const std::vector<int64_t>& sizes,
-                   const std::vector<at::Tensor>& columns, const std::vector<at::Tensor>& first,
-                   const std::vector<at::Tensor>& packs, const std::vector<int64_t>& layers,
-                   int64_t members) {
-  ctx->save_for_backward({aev});
-  ctx->saved_data["atoms"] = atoms;
-  ctx->saved_data["jac"] = jac;
-  ctx->saved_data["sizes"] = sizes;
-  ctx->saved_data["columns"] = columns;
-  ctx->saved_data["first"] = first;
-  ctx->saved_data["packs"] = packs;
-  ctx->saved_data["layers"] = layers;
-  ctx->saved_data["members"] = members;
-}
-
-// The AEV gradient for an incoming gradient (members, atoms) of the values:
-// grad * J when every member's row is the same (an ensemble mean) and no
-// graph is recorded, else the recomputation.
-at::Tensor networks_backward(AutogradContext* ctx, const at::Tensor& grad_values) {
-  const at::Tensor aev = ctx->get_saved_variables()[0];
-  const at::Tensor atoms = ctx->saved_data["atoms"].toTensor();
-  const auto sizes = ctx->saved_data["sizes"].toIntVector();
-  const auto columns = ctx->saved_data["columns"].toTensorVector();
-  // Grad mode is on here only under create_graph=True: then the backward is
-  // recorded, so that it can be differentiated again.
-  if (!at::GradMode::is_enabled()) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("torchani_fast::ensemble_mlp_backward", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                 at::IntArrayRef, at::TensorList,
-                                                 const at::Tensor&, int64_t)>();
-    at::Tensor g = op.call(grad_values, atoms, sizes, columns, ctx->saved_data["jac"].toTensor(),
-                           aev.size(1));
-    if (g.dim() == 2) return g;  // every member had the same incoming gradient: grad * J
-  }
-  return recompute_aev_grad(aev, grad_values, atoms, sizes, columns,
-                            ctx->saved_data["first"].toTensorVector(),
-                            ctx->saved_data["packs"].toTensorVector(),
-                            ctx->saved_data["layers"].toIntVector(),
-                            ctx->saved_data["members"].toInt());
-}
-
-const c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, at::IntArrayRef, at::TensorList, at::TensorList,
-    at::TensorList, at::TensorList, at::IntArrayRef, int64_t, bool)>&
-ensemble_mlp_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("torchani_fast::ensemble_mlp", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(
-                                 const at::Tensor&, const at::Tensor&, at::IntArrayRef,
-                                 at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                                 at::IntArrayRef, int64_t, bool)>();
-  return op;
-}
-
+// The networks' values (members, atoms), or with molecules > 0 their
+// reduction to energies (molecules,) (ensemble_energies: one autograd node for
+// the networks of an energy + forces call), differentiable in aev. The weights
+// are constants (packed copies that never require grad): kept in saved_data,
+// not as inputs.
 class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
- public:
-  // The weights are constants (packed copies that never require grad): kept
-  // in saved_data, not as inputs.
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& aev, const at::Tensor& atoms,
-                            std::vector<int64_t> sizes, std::vector<at::Tensor> columns,
-                            std::vector<at::Tensor> first, std::vector<at::Tensor> packs,
-                            std::vector<at::Tensor> panels, std::vector<int64_t> layers,
-                            int64_t members) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [values, jac] = ensemble_mlp_op().call(aev, atoms, sizes, columns, first, packs, panels,
-                                                layers, members, true);
-    save_networks(ctx, aev, atoms, jac, sizes, columns, first, packs, layers, members);
-    return values;
-  }
-
-  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    tensor_list out(9);
-    out[0] = networks_backward(ctx, grads[0]);
-    return out;
-  }
-};
-
-// ensemble_energies: the values reduced to (molecules,) in the op itself, so
-// that an energy + forces call has one autograd node for the networks.
-class EnsembleEnergiesFunction : public torch::autograd::Function<EnsembleEnergiesFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& aev, const at::Tensor& atoms,
                             std::vector<int64_t> sizes, std::vector<at::Tensor> columns,
@@ -353,28 +276,69 @@ class EnsembleEnergiesFunction : public torch::autograd::Function<EnsembleEnergi
                             std::vector<at::Tensor> panels, std::vector<int64_t> layers,
                             int64_t members, int64_t molecules, int64_t divisor) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    check_energies_args(aev, molecules, divisor);
-    auto [values, jac] = ensemble_mlp_op().call(aev, atoms, sizes, columns, first, packs, panels,
-                                                layers, members, true);
-    save_networks(ctx, aev, atoms, jac, sizes, columns, first, packs, layers, members);
+    if (molecules > 0) check_energies_args(aev, molecules, divisor);
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("torchani_fast::ensemble_mlp", "")
+                               .typed<std::tuple<at::Tensor, at::Tensor>(
+                                   const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                                   at::TensorList, at::TensorList, at::TensorList,
+                                   at::TensorList, at::IntArrayRef, int64_t, bool)>();
+    auto [values, jac] = op.call(aev, atoms, sizes, columns, first, packs, panels, layers,
+                                 members, true);
+    ctx->save_for_backward({aev});
+    ctx->saved_data["atoms"] = atoms;
+    ctx->saved_data["jac"] = jac;
+    ctx->saved_data["sizes"] = sizes;
+    ctx->saved_data["columns"] = columns;
+    ctx->saved_data["first"] = first;
+    ctx->saved_data["packs"] = packs;
+    ctx->saved_data["layers"] = layers;
+    ctx->saved_data["members"] = members;
     ctx->saved_data["molecules"] = molecules;
     ctx->saved_data["divisor"] = divisor;
-    return energies_from_values(values, molecules, divisor);
+    return molecules > 0 ? energies_from_values(values, molecules, divisor) : values;
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    const int64_t molecules = ctx->saved_data["molecules"].toInt();
+    const at::Tensor aev = ctx->get_saved_variables()[0];
+    const at::Tensor atoms = ctx->saved_data["atoms"].toTensor();
+    const auto sizes = ctx->saved_data["sizes"].toIntVector();
+    const auto columns = ctx->saved_data["columns"].toTensorVector();
     const int64_t members = ctx->saved_data["members"].toInt();
-    const int64_t num_atoms = ctx->get_saved_variables()[0].size(0);
-    // The reduction's backward, as autograd would run it on the ATen reduction:
-    // grad / divisor, spread over each molecule's atoms and over the members.
-    const at::Tensor scaled = grads[0].div(ctx->saved_data["divisor"].toInt());
-    const int64_t rows = at::GradMode::is_enabled() ? members : 1;  // 1: grad * J reads one row
-    const at::Tensor grad_values = scaled.view({1, molecules, 1})
-                                       .expand({rows, molecules, num_atoms / molecules})
-                                       .reshape({rows, num_atoms});
+    const int64_t molecules = ctx->saved_data["molecules"].toInt();
+    // Grad mode is on here only under create_graph=True: then the backward is
+    // recorded, so that it can be differentiated again.
+    const bool differentiable = at::GradMode::is_enabled();
+    at::Tensor grad_values = grads[0];  // (members, atoms)
+    if (molecules > 0) {
+      // The reduction's backward, as autograd would run it on the ATen
+      // reduction: grad / divisor, spread over each molecule's atoms and over
+      // the members (one row is enough for grad * J).
+      const int64_t rows = differentiable ? members : 1;
+      grad_values = grads[0]
+                        .div(ctx->saved_data["divisor"].toInt())
+                        .view({1, molecules, 1})
+                        .expand({rows, molecules, aev.size(0) / molecules})
+                        .reshape({rows, aev.size(0)});
+    }
     tensor_list out(11);
-    out[0] = networks_backward(ctx, grad_values);
+    if (!differentiable) {
+      static const auto op = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("torchani_fast::ensemble_mlp_backward", "")
+                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                   at::IntArrayRef, at::TensorList,
+                                                   const at::Tensor&, int64_t)>();
+      at::Tensor g = op.call(grad_values, atoms, sizes, columns,
+                             ctx->saved_data["jac"].toTensor(), aev.size(1));
+      if (g.dim() == 2) {  // every member had the same incoming gradient: grad * J
+        out[0] = g;
+        return out;
+      }
+    }
+    out[0] = recompute_aev_grad(aev, grad_values, atoms, sizes, columns,
+                                ctx->saved_data["first"].toTensorVector(),
+                                ctx->saved_data["packs"].toTensorVector(),
+                                ctx->saved_data["layers"].toIntVector(), members);
     return out;
   }
 };
@@ -394,7 +358,7 @@ at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& ato
     return op.call(aev, atoms, sizes, columns, first, packs, panels, layers, members);
   }
   return EnsembleFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first.vec(), packs.vec(),
-                                 panels.vec(), layers.vec(), members);
+                                 panels.vec(), layers.vec(), members, 0, 1);
 }
 
 at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& atoms,
@@ -410,9 +374,8 @@ at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& a
     return op.call(aev, atoms, sizes, columns, first, packs, panels, layers, members, molecules,
                    divisor);
   }
-  return EnsembleEnergiesFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first.vec(),
-                                         packs.vec(), panels.vec(), layers.vec(), members,
-                                         molecules, divisor);
+  return EnsembleFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first.vec(), packs.vec(),
+                                 panels.vec(), layers.vec(), members, molecules, divisor);
 }
 
 namespace {

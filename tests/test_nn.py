@@ -538,6 +538,13 @@ def test_grouping_op_matches_the_aten_grouping(split_min_atoms):
         assert torch.equal(native[0], aten[0])
         assert native[1:] == aten[1:]
     assert len(set(nn._groups(elem.flatten(), aev)[2])) > 1  # a split happened
+    # Large enough to consider a split, but none is worth it (small.xyz as shipped).
+    plain_species, plain_coords = padded_batch(["small.xyz"], torch.float32)
+    plain_elem = fast.species_converter(plain_species)
+    plain = fast.potentials["nnp"].aev_computer(plain_elem, plain_coords).flatten(0, 1)
+    native, aten = nn._groups(plain_elem.flatten(), plain), nn._aten_groups(plain_elem.flatten(), plain)
+    assert torch.equal(native[0], aten[0]) and native[1:] == aten[1:]
+    assert len(set(native[2])) == 1
     atoms, info = torch.ops.torchani_fast.group_atoms(elem.flatten().int(), nn.num_species, aev, nn.radial_sublen,
                                                       split_min_atoms)
     assert torch.equal(atoms, nn._groups(elem.flatten(), aev)[0]) and info.shape[1] == 3

@@ -199,12 +199,13 @@ class _FusedBase(AtomicContainer):
         reduce = not atomic and not (ensemble_values and self.is_ensemble)
         values = self._member_atomic(elem_idxs.flatten(), aevs.flatten(0, 1),
                                      elem_idxs.shape[0] if reduce else 0)
-        if values.dim() == 1:  # energies, already reduced by the op
-            return values
         return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], atomic, ensemble_values)
 
     def _reduce(self, values: Tensor, molecules: int, atoms: int, atomic: bool, ensemble_values: bool) -> Tensor:
-        """``forward``'s output from the members' atomic energies (k, M*A)."""
+        """``forward``'s output from the members' atomic energies (k, M*A); energies
+        (M,) that the CPU op already reduced (1-D) are returned as they are."""
+        if values.dim() == 1:
+            return values
         values = values.view(values.shape[0], molecules, atoms)
         if not self.is_ensemble:
             return values[0] if atomic else values[0].sum(1)
@@ -468,8 +469,6 @@ class _FusedBase(AtomicContainer):
         else:
             values = self._grouped_atomic(num_atoms, aevs.flatten(0, 1), atoms, elems, masks, sizes,
                                           elem_idxs.shape[0])
-            if values.dim() == 1:  # energies, already reduced by the op
-                return values
         return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], False, False)
 
     def _composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
@@ -480,6 +479,10 @@ class _FusedBase(AtomicContainer):
 
     def _aten_composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
         counts: tp.List[int] = torch.bincount(flat + 1, minlength=self.num_species + 1).tolist()
+        return self._groups_from_counts(flat, counts)
+
+    def _groups_from_counts(self, flat: Tensor, counts: tp.List[int]) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
+        """``_composition_groups`` from the atom counts [padding, element 0, element 1, ...]."""
         n_atoms = 0
         for e in range(self.num_species):
             n_atoms += counts[e + 1]
@@ -563,7 +566,10 @@ class _FusedBase(AtomicContainer):
             split = split or bits != 0
             rare.append(bits)
         if not split:
-            return self._aten_composition_groups(flat)
+            counts: tp.List[int] = []
+            for e in range(num_species + 1):  # padding (row 0), then the elements
+                counts.append(table[e][0])
+            return self._groups_from_counts(flat, counts)
         rare_rows: tp.List[tp.List[bool]] = []
         for e in range(num_species):
             rare_rows.append([(rare[e] >> s) & 1 == 1 for s in range(num_species)])

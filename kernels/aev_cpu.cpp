@@ -74,178 +74,475 @@ inline void add_triple_grad(const Neighbor<scalar_t>& n1, const Neighbor<scalar_
 }
 
 #ifdef TF_SIMD_AVX2
-// float32 when R is a multiple of 8, A <= 8 and Z divides 8 with A Z a multiple
-// of 8 (every ANI model: ANI-1x A = 4, Z = 8; ANI-2x A = 8, Z = 4): the per-term
-// loops on 8 lanes with simd::exp / simd::log, the same neighbours, triples and
-// accumulation order per atom as the scalar kernels. An angular block (A x Z,
-// z fastest) is A Z / 8 vectors; lane l of every one of them has z = l % Z, so
-// the section factor f1(z) is one vector for them all, and the radial factor
-// f2(a), computed once on A lanes, is spread to each by a lane permutation.
+// float32 on AVX2 CPUs when R is a multiple of 8, A <= 8 and Z is 1, 2, 4 or 8
+// (every ANI model: ANI-1x A = 4, Z = 8; ANI-2x A = 8, Z = 4). Radial terms:
+// 8 shifts per vector. Angular terms: 8 triples per vector. An atom's angular
+// neighbours are sorted by species (stably), so that the triples of one
+// species pair, which all add to the same AEV block, can be listed together;
+// each block's list is padded to whole vectors with triples that add zero.
+// The forward then keeps one accumulator vector per term of the block, and the
+// backward reads the block's gradient as broadcasts. Per atom, the work and its
+// order are fixed by the input, so results do not depend on the thread count.
 bool vector_path(const Consts<float>& k) {
-  return simd::have_avx2() && k.R % 8 == 0 && k.A <= 8 && 8 % k.Z == 0 && (k.A * k.Z) % 8 == 0;
+  return simd::have_avx2() && k.R % 8 == 0 && k.A <= 8 &&
+         (k.Z == 1 || k.Z == 2 || k.Z == 4 || k.Z == 8);
 }
 
-struct AngularLanes {
-  __m256 cos_z, sin_z, zeta;  // lane l: section l % Z
-  __m256 shf, neg_eta;        // lane a < A: shift a and -eta_a (0 beyond A)
-  __m256i spread[8];          // vector v of a block, lane l: a = (8 v + l) / Z
-  int64_t vectors;            // A Z / 8
-  TF_AVX2 explicit AngularLanes(const Consts<float>& k) {
-    alignas(32) float cz[8], sz[8], ze[8], shf_a[8] = {}, eta_a[8] = {};
-    alignas(32) int32_t idx[8];
-    for (int l = 0; l < 8; ++l) {
-      cz[l] = k.cos_z[l % k.Z];
-      sz[l] = k.sin_z[l % k.Z];
-      ze[l] = k.zeta[l % k.Z];
-    }
-    for (int64_t a = 0; a < k.A; ++a) {
-      shf_a[a] = k.shf_a[a];
-      eta_a[a] = -k.eta_a[a];
-    }
-    cos_z = _mm256_load_ps(cz);
-    sin_z = _mm256_load_ps(sz);
-    zeta = _mm256_load_ps(ze);
-    shf = _mm256_load_ps(shf_a);
-    neg_eta = _mm256_load_ps(eta_a);
-    vectors = k.A * k.Z / 8;
-    for (int64_t v = 0; v < vectors; ++v) {
-      for (int l = 0; l < 8; ++l) idx[l] = static_cast<int32_t>((8 * v + l) / k.Z);
-      spread[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+// The neighbours of one centre, sorted by species (stably), as structures of
+// arrays with 8 entries of padding after the last (read by partly used
+// vectors, whose extra lanes are masked or overwritten): all of them (radial
+// terms), and again those within the angular cutoff, each with its cutoff
+// (and for the backward its derivative, and 1 / r, 0 at r = 0).
+struct NeighborArrays {
+  std::vector<float> x, y, z, r, fc, dfc, inv_r;
+  std::vector<int64_t> edge;  // the half edge of each (and 8 entries of scratch)
+  std::vector<int64_t> seg;   // (S + 1,) first neighbour of each species
+  int64_t n = 0;
+
+  void resize(int64_t count, int64_t S) {
+    n = count;
+    for (auto* v : {&x, &y, &z, &r, &fc, &dfc, &inv_r}) v->assign(n + 8, 0.0f);
+    edge.resize(n + 8);
+    seg.assign(S + 1, 0);
+  }
+  // fc (and dfc, inv_r) of every neighbour for the cutoff rc.
+  TF_AVX2 void cutoffs(float rc, bool backward) {
+    const __m256 w = _mm256_set1_ps(static_cast<float>(aev_math::kPi) / rc);
+    const __m256 half = _mm256_set1_ps(0.5f), neg_half_w = _mm256_mul_ps(_mm256_set1_ps(-0.5f), w);
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    for (int64_t e = 0; e < n; e += 8) {
+      const __m256 rr = _mm256_loadu_ps(r.data() + e);
+      __m256 c, s;
+      simd::cos_sin_0_pi(_mm256_mul_ps(rr, w), c, s);
+      _mm256_storeu_ps(fc.data() + e, _mm256_fmadd_ps(half, c, half));
+      if (!backward) continue;
+      _mm256_storeu_ps(dfc.data() + e, _mm256_mul_ps(neg_half_w, s));
+      const __m256 positive = _mm256_cmp_ps(rr, zero, _CMP_GT_OQ);
+      _mm256_storeu_ps(inv_r.data() + e, _mm256_and_ps(_mm256_div_ps(one, rr), positive));
     }
   }
 };
 
-// One angular triple of an atom: its two neighbours (indices into the angular
-// neighbours) and the parts shared by its terms.
-struct TripleRef {
-  size_t j, l;
-  aev_math::Triple<float> t;
+// All neighbours of centre i from its half edges, sorted by species, with their
+// distances; then those within rc_a into `ang`, in the same order.
+TF_AVX2 void sorted_neighbors(const HalfEdges& h, int64_t i, const int64_t* species,
+                              const float* diff, const Consts<float>& k, bool backward,
+                              NeighborArrays& all, NeighborArrays& ang,
+                              std::vector<int64_t>& cursor) {
+  const int64_t e0 = h.start[i], e1 = h.start[i + 1];
+  all.resize(e1 - e0, k.S);
+  for (int64_t e = e0; e < e1; ++e) all.seg[species[h.other[e]] + 1]++;
+  for (int64_t s = 0; s < k.S; ++s) all.seg[s + 1] += all.seg[s];
+  cursor.assign(all.seg.begin(), all.seg.end() - 1);
+  for (int64_t e = e0; e < e1; ++e) {
+    const int64_t pos = cursor[species[h.other[e]]]++;
+    const int64_t p = h.pair[e];
+    // The centre-to-neighbour vector is -diff for i0's half edge (branch-free:
+    // which one it is varies at random).
+    const float sign = static_cast<float>(1 - 2 * static_cast<int>(h.edge0[p] == e));
+    all.x[pos] = sign * diff[3 * p];
+    all.y[pos] = sign * diff[3 * p + 1];
+    all.z[pos] = sign * diff[3 * p + 2];
+    all.edge[pos] = e;
+  }
+  for (int64_t e = 0; e < all.n; e += 8) {
+    const __m256 x = _mm256_loadu_ps(all.x.data() + e), y = _mm256_loadu_ps(all.y.data() + e),
+                 z = _mm256_loadu_ps(all.z.data() + e);
+    _mm256_storeu_ps(all.r.data() + e,
+                     _mm256_sqrt_ps(_mm256_fmadd_ps(z, z, _mm256_fmadd_ps(y, y, _mm256_mul_ps(x, x)))));
+  }
+  all.cutoffs(k.rc_r, backward);
+  int64_t count = 0;
+  for (int64_t e = 0; e < all.n; ++e) count += all.r[e] <= k.rc_a;
+  ang.resize(count, k.S);
+  int64_t a = 0;
+  for (int64_t s = 0; s < k.S; ++s) {
+    ang.seg[s] = a;
+    for (int64_t e = all.seg[s]; e < all.seg[s + 1]; ++e) {  // (branch-free compaction)
+      ang.x[a] = all.x[e];
+      ang.y[a] = all.y[e];
+      ang.z[a] = all.z[e];
+      ang.r[a] = all.r[e];
+      ang.edge[a] = all.edge[e];
+      a += all.r[e] <= k.rc_a;
+    }
+  }
+  ang.seg[k.S] = a;
+  ang.cutoffs(k.rc_a, backward);
+}
+
+// Per-thread scratch of the angular terms, reused from atom to atom.
+struct AngularScratch {
+  NeighborArrays all, ang;
+  std::vector<int64_t> cursor;
+  // Triples, block after block, each block padded to a multiple of 8.
+  // Forward and backward: c = 0.95 cos, sqrt(1 - c^2), the mean distance and
+  // fc1 fc2. Backward also: cos (unclamped), whether the product r1 r2 was
+  // clamped, the two neighbours' cutoffs, cutoff derivatives and 1 / r, their
+  // indices, and the triple's gradient coefficients (c12, c1, c2; see below).
+  std::vector<float> c, sin_c, mean_r, fcc;
+  std::vector<float> q, clamped, fc1, fc2, dfc1, dfc2, inv1, inv2, c12, c1, c2;
+  std::vector<int32_t> j, l;
+  struct Block {
+    int64_t pair, begin, count;
+  };
+  std::vector<Block> blocks;
+  std::vector<float> f1;    // forward: f1 fcc per triple and section
+  std::vector<float> pair;  // backward: (n, n8) coefficients of the neighbours' vectors
+  std::vector<float> diag;  // backward: (n,) coefficient of each neighbour's own vector
+  std::vector<float> coef;  // backward: (n + 8,) radial terms' coefficient of each neighbour
 };
 
-// The angular triples of one atom, in the order their terms are added.
-inline void collect_triples(const std::vector<Neighbor<float>>& ang, std::vector<TripleRef>& out) {
-  out.clear();
-  for (size_t j = 0; j < ang.size(); ++j)
-    for (size_t l = j + 1; l < ang.size(); ++l) out.push_back({j, l, make_triple(ang[j], ang[l])});
+TF_AVX2_INLINE void store_at(std::vector<float>& v, int64_t t, __m256 x) {
+  _mm256_storeu_ps(v.data() + t, x);
 }
 
-// Lanes 0-3 = a, 4-7 = b: the section factors of two triples in one vector when
-// Z = 4 (ANI-2x), so one log and one exp serve both. Lane for lane the same
-// arithmetic as a broadcast of each, hence the same bits.
-TF_AVX2_INLINE __m256 halves(float a, float b) {
-  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a)), _mm_set1_ps(b), 1);
+// The triples of every species pair present, block after block; lanes run
+// over the second neighbour l for a fixed first neighbour j. The geometry is
+// make_triple's, lane for lane.
+TF_AVX2 void list_triples(AngularScratch& w, const Consts<float>& k, bool backward) {
+  const int64_t n = w.ang.n;
+  size_t cap = static_cast<size_t>(n * (n - 1) / 2 + 8 * (k.S * (k.S + 1) / 2 + 1));
+  if (w.c.size() < cap) {
+    for (auto* v : {&w.c, &w.sin_c, &w.mean_r, &w.fcc}) v->resize(cap);
+  }
+  if (backward && w.q.size() < cap) {
+    for (auto* v : {&w.q, &w.clamped, &w.fc1, &w.fc2, &w.dfc1, &w.dfc2, &w.inv1, &w.inv2, &w.c12,
+                    &w.c1, &w.c2})
+      v->resize(cap);
+    w.j.resize(cap);
+    w.l.resize(cap);
+  }
+  w.blocks.clear();
+  const __m256 tiny = _mm256_set1_ps(1e-10f), zero = _mm256_setzero_ps();
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+  const __m256 shrink = _mm256_set1_ps(0.95f);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t t = 0;
+  for (int64_t s1 = 0; s1 < k.S; ++s1) {
+    for (int64_t s2 = s1; s2 < k.S; ++s2) {
+      const int64_t begin = t;
+      for (int64_t j = w.ang.seg[s1]; j < w.ang.seg[s1 + 1]; ++j) {
+        const __m256 xj = _mm256_set1_ps(w.ang.x[j]), yj = _mm256_set1_ps(w.ang.y[j]),
+                     zj = _mm256_set1_ps(w.ang.z[j]), rj = _mm256_set1_ps(w.ang.r[j]),
+                     fcj = _mm256_set1_ps(w.ang.fc[j]);
+        const int64_t end = w.ang.seg[s2 + 1];
+        for (int64_t l0 = s1 == s2 ? j + 1 : w.ang.seg[s2]; l0 < end; l0 += 8) {
+          const __m256 rl = _mm256_loadu_ps(w.ang.r.data() + l0);
+          const __m256 fcl = _mm256_loadu_ps(w.ang.fc.data() + l0);
+          const __m256 dot = _mm256_add_ps(
+              _mm256_add_ps(_mm256_mul_ps(xj, _mm256_loadu_ps(w.ang.x.data() + l0)),
+                            _mm256_mul_ps(yj, _mm256_loadu_ps(w.ang.y.data() + l0))),
+              _mm256_mul_ps(zj, _mm256_loadu_ps(w.ang.z.data() + l0)));
+          const __m256 den = _mm256_mul_ps(rj, rl);
+          const __m256 is_clamped = _mm256_cmp_ps(den, tiny, _CMP_LT_OQ);
+          const __m256 q = _mm256_div_ps(dot, _mm256_blendv_ps(den, tiny, is_clamped));
+          const __m256 c = _mm256_mul_ps(shrink, q);
+          const __m256 one_minus = _mm256_fnmadd_ps(c, c, one);
+          store_at(w.c, t, c);
+          store_at(w.sin_c, t, _mm256_sqrt_ps(_mm256_max_ps(one_minus, zero)));
+          store_at(w.mean_r, t, _mm256_mul_ps(_mm256_add_ps(rj, rl), half));
+          store_at(w.fcc, t, _mm256_mul_ps(fcj, fcl));
+          if (backward) {
+            store_at(w.q, t, q);
+            store_at(w.clamped, t, _mm256_and_ps(is_clamped, one));
+            store_at(w.fc1, t, fcj);
+            store_at(w.fc2, t, fcl);
+            store_at(w.dfc1, t, _mm256_set1_ps(w.ang.dfc[j]));
+            store_at(w.dfc2, t, _mm256_loadu_ps(w.ang.dfc.data() + l0));
+            store_at(w.inv1, t, _mm256_set1_ps(w.ang.inv_r[j]));
+            store_at(w.inv2, t, _mm256_loadu_ps(w.ang.inv_r.data() + l0));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.j.data() + t),
+                                _mm256_set1_epi32(static_cast<int32_t>(j)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.l.data() + t),
+                                _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(l0))));
+          }
+          t += std::min<int64_t>(8, end - l0);
+        }
+      }
+      if (t == begin) continue;
+      // Padding lanes: no cutoff, so they add exactly zero (c = 0 and a unit
+      // sine keep their terms finite).
+      store_at(w.c, t, zero);
+      store_at(w.sin_c, t, one);
+      store_at(w.mean_r, t, zero);
+      store_at(w.fcc, t, zero);
+      if (backward)
+        for (auto* v : {&w.q, &w.clamped, &w.fc1, &w.fc2, &w.dfc1, &w.dfc2, &w.inv1, &w.inv2})
+          store_at(*v, t, zero);
+      w.blocks.push_back({k.pair_index(s1, s2), begin, t - begin});
+      t = begin + (t - begin + 7) / 8 * 8;
+    }
+  }
 }
-TF_AVX2_INLINE __m256 low_half_twice(__m256 v) { return _mm256_permute2f128_ps(v, v, 0x00); }
-TF_AVX2_INLINE __m256 high_half_twice(__m256 v) { return _mm256_permute2f128_ps(v, v, 0x11); }
 
-// (1 + cos(acos(c) - ts)) / 2 per lane (section l % Z), from c and sqrt(1 - c^2).
-TF_AVX2_INLINE __m256 section_base(const AngularLanes& lanes, __m256 c, __m256 sin_c) {
-  const __m256 cdev = _mm256_fmadd_ps(c, lanes.cos_z, _mm256_mul_ps(sin_c, lanes.sin_z));
+// Per-lane constants of the angular terms.
+struct AngularConsts {
+  __m256 shf[8], neg_eta[8];               // per shift a
+  __m256 cos_z[8], sin_z[8], zeta[8], zeta_m1[8];  // per section z
+  TF_AVX2 explicit AngularConsts(const Consts<float>& k) {
+    for (int64_t a = 0; a < k.A; ++a) {
+      shf[a] = _mm256_set1_ps(k.shf_a[a]);
+      neg_eta[a] = _mm256_set1_ps(-k.eta_a[a]);
+    }
+    for (int64_t s = 0; s < k.Z; ++s) {
+      cos_z[s] = _mm256_set1_ps(k.cos_z[s]);
+      sin_z[s] = _mm256_set1_ps(k.sin_z[s]);
+      zeta[s] = _mm256_set1_ps(k.zeta[s]);
+      zeta_m1[s] = _mm256_set1_ps(k.zeta[s] - 1.0f);
+    }
+  }
+};
+
+// (1 + cos(acos(c) - ts_z)) / 2 from c and sqrt(1 - c^2).
+TF_AVX2_INLINE __m256 section_base(const AngularConsts& ac, int s, __m256 c, __m256 sin_c) {
+  const __m256 cdev = _mm256_fmadd_ps(c, ac.cos_z[s], _mm256_mul_ps(sin_c, ac.sin_z[s]));
   return _mm256_mul_ps(_mm256_add_ps(_mm256_set1_ps(1.0f), cdev), _mm256_set1_ps(0.5f));
 }
 
-// f1 = 2 base^zeta per lane.
-TF_AVX2_INLINE __m256 section_factor(const AngularLanes& lanes, __m256 c, __m256 sin_c) {
-  const __m256 base = section_base(lanes, c, sin_c);
-  return _mm256_mul_ps(_mm256_set1_ps(2.0f), simd::exp(_mm256_mul_ps(lanes.zeta, simd::log(base))));
+// f2_a = exp(-eta_a (mean_r - shf_a)^2).
+TF_AVX2_INLINE __m256 radial_factor(const AngularConsts& ac, int64_t a, __m256 m, __m256& x) {
+  x = _mm256_sub_ps(m, ac.shf[a]);
+  return simd::exp(_mm256_mul_ps(_mm256_mul_ps(ac.neg_eta[a], x), x));
 }
 
-// f1 and df1/dc per lane; c_over_s = c / sqrt(1 - c^2).
-TF_AVX2_INLINE void section_parts(const AngularLanes& lanes, __m256 c, __m256 sin_c, __m256 c_over_s,
-                                  __m256& f1, __m256& df1) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 base = section_base(lanes, c, sin_c);
-  // p = base^(zeta - 1): f1 = 2 p base, df1/dc = zeta p dcdev/dc
-  const __m256 p = simd::exp(_mm256_mul_ps(_mm256_sub_ps(lanes.zeta, one), simd::log(base)));
-  f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(2.0f), p), base);
-  // d cos(acos(c) - ts)/dc = cos(ts) - c / sqrt(1 - c^2) * sin(ts)
-  const __m256 dcdev = _mm256_fnmadd_ps(c_over_s, lanes.sin_z, lanes.cos_z);
-  df1 = _mm256_mul_ps(_mm256_mul_ps(lanes.zeta, p), dcdev);
+// The 8 horizontal sums of v[0..8), in order.
+TF_AVX2_INLINE __m256 sums8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// One triple's terms added to its AEV block: f1 (per lane) times f2(mean r) fc1 fc2.
-TF_AVX2_INLINE void add_triple_aev(const AngularLanes& lanes, const Consts<float>& k, float* row,
-                                   const std::vector<Neighbor<float>>& ang,
-                                   const std::vector<float>& fc_a, const TripleRef& tr, __m256 f1) {
-  const __m256 x = _mm256_sub_ps(_mm256_set1_ps(tr.t.mean_r), lanes.shf);
-  const __m256 f2 = _mm256_mul_ps(simd::exp(_mm256_mul_ps(_mm256_mul_ps(lanes.neg_eta, x), x)),
-                                  _mm256_set1_ps(fc_a[tr.j] * fc_a[tr.l]));
-  float* out = row + k.radial_len + k.pair_index(ang[tr.j].species, ang[tr.l].species) * k.A * k.Z;
-  for (int64_t v = 0; v < lanes.vectors; ++v) {
-    const __m256 f2v = _mm256_permutevar8x32_ps(f2, lanes.spread[v]);
-    _mm256_storeu_ps(out + 8 * v, _mm256_fmadd_ps(f2v, f1, _mm256_loadu_ps(out + 8 * v)));
+// One block's terms added to its AEV block `out` (A x Z, z fastest): first
+// f1 fc1 fc2 per triple and section, then per pass over the triples 8 / Z
+// shifts, one accumulator per term.
+template <int Z>
+TF_AVX2 void block_forward(AngularScratch& w, const AngularScratch::Block& b,
+                           const AngularConsts& ac, int64_t A, float* out) {
+  constexpr int kShifts = 8 / Z;  // shifts per pass: 8 accumulators
+  const int64_t vectors = (b.count + 7) / 8;
+  if (w.f1.size() < static_cast<size_t>(vectors * Z * 8)) w.f1.resize(vectors * Z * 8);
+  float* f1 = w.f1.data();
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int64_t t = b.begin + 8 * v;
+    const __m256 c = _mm256_loadu_ps(w.c.data() + t), s = _mm256_loadu_ps(w.sin_c.data() + t);
+    const __m256 fcc2 = _mm256_mul_ps(_mm256_set1_ps(2.0f), _mm256_loadu_ps(w.fcc.data() + t));
+    for (int zi = 0; zi < Z; ++zi) {
+      const __m256 base = section_base(ac, zi, c, s);
+      _mm256_storeu_ps(f1 + (v * Z + zi) * 8,
+                       _mm256_mul_ps(fcc2, simd::exp(_mm256_mul_ps(ac.zeta[zi], simd::log(base)))));
+    }
+  }
+  for (int64_t a0 = 0; a0 < A; a0 += kShifts) {
+    __m256 acc[8];
+    for (auto& x : acc) x = _mm256_setzero_ps();
+    for (int64_t v = 0; v < vectors; ++v) {
+      const __m256 m = _mm256_loadu_ps(w.mean_r.data() + b.begin + 8 * v);
+      __m256 f2[kShifts];
+      for (int i = 0; i < kShifts; ++i) {
+        __m256 x;
+        f2[i] = a0 + i < A ? radial_factor(ac, a0 + i, m, x) : _mm256_setzero_ps();
+      }
+      for (int zi = 0; zi < Z; ++zi) {
+        const __m256 f = _mm256_loadu_ps(f1 + (v * Z + zi) * 8);
+        for (int i = 0; i < kShifts; ++i) acc[i * Z + zi] = _mm256_fmadd_ps(f2[i], f, acc[i * Z + zi]);
+      }
+    }
+    float* o = out + a0 * Z;
+    const __m256 sums = sums8(acc);
+    if (a0 + kShifts <= A) {
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), sums));
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, sums);
+      for (int64_t e = 0; e < (A - a0) * Z; ++e) o[e] += tmp[e];
+    }
   }
 }
 
-// One triple's gradient on its half edges, from f1 and df1/dc per lane.
-TF_AVX2_INLINE void add_triple_grad_avx2(const AngularLanes& lanes, const Consts<float>& k,
-                                         const float* grow, const std::vector<Neighbor<float>>& ang,
-                                         const TripleRef& tr, const std::vector<float>& fc_a,
-                                         const std::vector<float>& dfc_a,
-                                         const std::vector<float>& inv_r, __m256 f1, __m256 df1,
-                                         float* grad_edge) {
-  const size_t j = tr.j, l = tr.l;
-  const aev_math::Triple<float>& t = tr.t;
-  const Neighbor<float>& n1 = ang[j];
-  const Neighbor<float>& n2 = ang[l];
-  const __m256 x = _mm256_sub_ps(_mm256_set1_ps(t.mean_r), lanes.shf);
-  const __m256 f2 = simd::exp(_mm256_mul_ps(_mm256_mul_ps(lanes.neg_eta, x), x));
-  const __m256 df2 = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(lanes.neg_eta, lanes.neg_eta), x), f2);
-  const float* g = grow + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
-  // g2 = sum over the block of g f2(a), gd2 = sum of g df2(a)/d(mean r), per lane
-  __m256 g2 = _mm256_setzero_ps(), gd2 = _mm256_setzero_ps();
-  for (int64_t v = 0; v < lanes.vectors; ++v) {
-    const __m256 gv = _mm256_loadu_ps(g + 8 * v);
-    g2 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f2, lanes.spread[v]), gv, g2);
-    gd2 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(df2, lanes.spread[v]), gv, gd2);
+// One block's triples: their gradient coefficients from the block's AEV
+// gradient g (A x Z). With s_val = sum g f, s_dc = sum g df/dc and s_dm = sum
+// g df/d(mean r) over the block (without the cutoffs), the triple's gradient
+// on the neighbours' vectors v1, v2 is
+//   g1 = c12 v2 + c1 v1,  g2 = c12 v1 + c2 v2   (as add_triple_grad).
+template <int Z>
+TF_AVX2 void block_backward(AngularScratch& w, const AngularScratch::Block& b,
+                            const AngularConsts& ac, int64_t A, const float* g) {
+  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+  const __m256 shrink = _mm256_set1_ps(0.95f), big = _mm256_set1_ps(1e10f);
+  for (int64_t t = b.begin; t < b.begin + b.count; t += 8) {
+    const __m256 m = _mm256_loadu_ps(w.mean_r.data() + t);
+    // g2[z] = sum_a g f2_a, gd2[z] = sum_a g df2_a/d(mean r)
+    __m256 g2[Z], gd2[Z];
+    for (int zi = 0; zi < Z; ++zi) g2[zi] = gd2[zi] = _mm256_setzero_ps();
+    for (int64_t a = 0; a < A; ++a) {
+      __m256 x;
+      const __m256 f2 = radial_factor(ac, a, m, x);
+      const __m256 df2 = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(ac.neg_eta[a], ac.neg_eta[a]), x), f2);
+      for (int zi = 0; zi < Z; ++zi) {
+        const __m256 gz = _mm256_broadcast_ss(g + a * Z + zi);
+        g2[zi] = _mm256_fmadd_ps(gz, f2, g2[zi]);
+        gd2[zi] = _mm256_fmadd_ps(gz, df2, gd2[zi]);
+      }
+    }
+    const __m256 c = _mm256_loadu_ps(w.c.data() + t), s = _mm256_loadu_ps(w.sin_c.data() + t);
+    const __m256 c_over_s = _mm256_div_ps(c, s);
+    __m256 s_val = _mm256_setzero_ps(), s_dc = _mm256_setzero_ps(), s_dm = _mm256_setzero_ps();
+    for (int zi = 0; zi < Z; ++zi) {
+      // p = base^(zeta - 1): f1 = 2 p base, df1/dc = zeta p d(cos(acos(c) - ts))/dc
+      const __m256 base = section_base(ac, zi, c, s);
+      const __m256 p = simd::exp(_mm256_mul_ps(ac.zeta_m1[zi], simd::log(base)));
+      const __m256 f1 = _mm256_mul_ps(_mm256_mul_ps(two, p), base);
+      const __m256 df1 = _mm256_mul_ps(_mm256_mul_ps(ac.zeta[zi], p),
+                                       _mm256_fnmadd_ps(c_over_s, ac.sin_z[zi], ac.cos_z[zi]));
+      s_val = _mm256_fmadd_ps(g2[zi], f1, s_val);
+      s_dc = _mm256_fmadd_ps(g2[zi], df1, s_dc);
+      s_dm = _mm256_fmadd_ps(gd2[zi], f1, s_dm);
+    }
+    const __m256 fc1 = _mm256_loadu_ps(w.fc1.data() + t), fc2 = _mm256_loadu_ps(w.fc2.data() + t);
+    const __m256 inv1 = _mm256_loadu_ps(w.inv1.data() + t), inv2 = _mm256_loadu_ps(w.inv2.data() + t);
+    const __m256 fcc = _mm256_mul_ps(fc1, fc2);
+    const __m256 d_cos = _mm256_mul_ps(_mm256_mul_ps(shrink, fcc), s_dc);
+    const __m256 d_m = _mm256_mul_ps(_mm256_mul_ps(half, fcc), s_dm);
+    const __m256 d_r1 = _mm256_fmadd_ps(_mm256_mul_ps(s_val, _mm256_loadu_ps(w.dfc1.data() + t)), fc2, d_m);
+    const __m256 d_r2 = _mm256_fmadd_ps(_mm256_mul_ps(s_val, fc1), _mm256_loadu_ps(w.dfc2.data() + t), d_m);
+    const __m256 c1 = _mm256_mul_ps(d_r1, inv1), c2 = _mm256_mul_ps(d_r2, inv2);
+    const __m256 dq = _mm256_mul_ps(d_cos, _mm256_loadu_ps(w.q.data() + t));
+    const __m256 clamped = _mm256_cmp_ps(_mm256_loadu_ps(w.clamped.data() + t), one, _CMP_EQ_OQ);
+    store_at(w.c12, t, _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(d_cos, inv1), inv2),
+                                        _mm256_mul_ps(d_cos, big), clamped));
+    store_at(w.c1, t, _mm256_blendv_ps(_mm256_fnmadd_ps(_mm256_mul_ps(dq, inv1), inv1, c1), c1, clamped));
+    store_at(w.c2, t, _mm256_blendv_ps(_mm256_fnmadd_ps(_mm256_mul_ps(dq, inv2), inv2, c2), c2, clamped));
   }
-  add_triple_grad(n1, n2, t, fc_a[j], fc_a[l], dfc_a[j], dfc_a[l], inv_r[j], inv_r[l],
-                  simd::hsum(_mm256_mul_ps(g2, f1)), simd::hsum(_mm256_mul_ps(g2, df1)),
-                  simd::hsum(_mm256_mul_ps(gd2, f1)), grad_edge);
+}
+
+// The angular terms of one centre: added to its AEV row (forward).
+template <int Z>
+TF_AVX2 void angular_forward(AngularScratch& w, const Consts<float>& k, const AngularConsts& ac,
+                             float* row) {
+  list_triples(w, k, false);
+  for (const auto& b : w.blocks)
+    block_forward<Z>(w, b, ac, k.A, row + k.radial_len + b.pair * k.A * Z);
+}
+
+// The angular terms' gradient of one centre, added to its half edges: each
+// triple's coefficients go into a (neighbour x neighbour) table, then every
+// neighbour's gradient is its row of the table times the neighbours' vectors.
+template <int Z>
+TF_AVX2 void angular_backward(AngularScratch& w, const Consts<float>& k, const AngularConsts& ac,
+                              const float* grow, float* grad_edge) {
+  list_triples(w, k, true);
+  const int64_t n = w.ang.n, n8 = (n + 7) / 8 * 8;
+  w.pair.assign(n * n8, 0.0f);
+  w.diag.assign(n, 0.0f);
+  for (const auto& b : w.blocks) {
+    block_backward<Z>(w, b, ac, k.A, grow + k.radial_len + b.pair * k.A * Z);
+    for (int64_t t = b.begin; t < b.begin + b.count; ++t) {
+      const int64_t j = w.j[t], l = w.l[t];
+      w.diag[j] += w.c1[t];
+      w.diag[l] += w.c2[t];
+      w.pair[j * n8 + l] = w.c12[t];
+      w.pair[l * n8 + j] = w.c12[t];
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = w.pair.data() + j * n8;
+    __m256 gx = _mm256_setzero_ps(), gy = _mm256_setzero_ps(), gz = _mm256_setzero_ps();
+    for (int64_t l = 0; l < n8; l += 8) {
+      const __m256 p = _mm256_loadu_ps(row + l);
+      gx = _mm256_fmadd_ps(p, _mm256_loadu_ps(w.ang.x.data() + l), gx);
+      gy = _mm256_fmadd_ps(p, _mm256_loadu_ps(w.ang.y.data() + l), gy);
+      gz = _mm256_fmadd_ps(p, _mm256_loadu_ps(w.ang.z.data() + l), gz);
+    }
+    alignas(16) float s[4];
+    _mm_store_ps(s, simd::hsum4(gx, gy, gz, _mm256_setzero_ps()));
+    float* ge = grad_edge + 3 * w.ang.edge[j];
+    ge[0] += s[0] + w.diag[j] * w.ang.x[j];
+    ge[1] += s[1] + w.diag[j] * w.ang.y[j];
+    ge[2] += s[2] + w.diag[j] * w.ang.z[j];
+  }
+}
+
+// The radial terms of one centre into its AEV row: per species, passes of 8
+// shifts over its neighbours, 8 neighbours per vector, one accumulator per shift.
+TF_AVX2 void radial_forward(const NeighborArrays& nb, const Consts<float>& k, float* row) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 quarter = _mm256_set1_ps(0.25f);
+  for (int64_t s = 0; s < k.S; ++s) {
+    const int64_t b = nb.seg[s], e = nb.seg[s + 1];
+    if (b == e) continue;
+    for (int64_t q = 0; q < k.R; q += 8) {
+      __m256 acc[8], shf[8], neg_eta[8];
+      for (int i = 0; i < 8; ++i) {
+        acc[i] = _mm256_setzero_ps();
+        shf[i] = _mm256_set1_ps(k.shf_r[q + i]);
+        neg_eta[i] = _mm256_set1_ps(-k.eta_r[q + i]);
+      }
+      for (int64_t v = b; v < e; v += 8) {
+        const __m256 r = _mm256_loadu_ps(nb.r.data() + v);
+        // lanes past the species' last neighbour add nothing
+        const __m256 in = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(e - v)), lane));
+        const __m256 scale = _mm256_and_ps(_mm256_mul_ps(quarter, _mm256_loadu_ps(nb.fc.data() + v)), in);
+        for (int i = 0; i < 8; ++i) {
+          const __m256 x = _mm256_sub_ps(r, shf[i]);
+          acc[i] = _mm256_fmadd_ps(simd::exp(_mm256_mul_ps(_mm256_mul_ps(neg_eta[i], x), x)), scale, acc[i]);
+        }
+      }
+      float* out = row + s * k.R + q;
+      _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), sums8(acc)));
+    }
+  }
+}
+
+// The radial terms' gradient of one centre, added to its half edges: per
+// neighbour (8 per vector) d/dr of its terms against the species' gradient,
+// over r, times its vector (0 at r = 0, where the direction is undefined).
+TF_AVX2 void radial_backward(const NeighborArrays& nb, const Consts<float>& k, const float* grow,
+                             std::vector<float>& coef, float* grad_edge) {
+  const __m256 quarter = _mm256_set1_ps(0.25f);
+  coef.resize(nb.n + 8);
+  for (int64_t s = 0; s < k.S; ++s) {
+    const float* g = grow + s * k.R;
+    for (int64_t v = nb.seg[s]; v < nb.seg[s + 1]; v += 8) {  // (the next species overwrites the tail)
+      const __m256 r = _mm256_loadu_ps(nb.r.data() + v);
+      const __m256 fc = _mm256_loadu_ps(nb.fc.data() + v), dfc = _mm256_loadu_ps(nb.dfc.data() + v);
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t q = 0; q < k.R; ++q) {
+        const __m256 eta = _mm256_set1_ps(k.eta_r[q]);
+        const __m256 x = _mm256_sub_ps(r, _mm256_set1_ps(k.shf_r[q]));
+        const __m256 e = _mm256_mul_ps(quarter, simd::exp(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(-k.eta_r[q]), x), x)));
+        // d/dr of e fc = e (dfc - 2 eta x fc)
+        const __m256 d = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_add_ps(eta, eta), x), fc, dfc);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(g + q), e), d, acc);
+      }
+      _mm256_storeu_ps(coef.data() + v, _mm256_mul_ps(acc, _mm256_loadu_ps(nb.inv_r.data() + v)));
+    }
+  }
+  for (int64_t e = 0; e < nb.n; ++e) {
+    float* ge = grad_edge + 3 * nb.edge[e];
+    ge[0] += coef[e] * nb.x[e];
+    ge[1] += coef[e] * nb.y[e];
+    ge[2] += coef[e] * nb.z[e];
+  }
 }
 
 TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                 const float* diff, const HalfEdges& h, const Consts<float>& k,
                                 float* aev) {
-  std::vector<Neighbor<float>> nbrs, ang;
-  std::vector<float> fc_a;
-  std::vector<TripleRef> triples;
-  const AngularLanes lanes(k);
-  const bool paired = k.Z == 4;
+  AngularScratch w;
+  const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
     float* row = aev + i * k.F;
     std::fill(row, row + k.F, 0.0f);  // (the output is allocated uninitialised)
     if (species[i] < 0) continue;
-    gather_neighbors(h, i, species, diff, nbrs);
-    ang.clear();
-    for (const auto& n : nbrs) {
-      const __m256 r = _mm256_set1_ps(n.r);
-      const __m256 scale = _mm256_set1_ps(0.25f * cutoff_cos(n.r, k.rc_r));
-      float* out = row + n.species * k.R;
-      for (int64_t s = 0; s < k.R; s += 8) {
-        const __m256 x = _mm256_sub_ps(r, _mm256_loadu_ps(k.shf_r.data() + s));
-        const __m256 e = simd::exp(_mm256_mul_ps(
-            _mm256_mul_ps(_mm256_xor_ps(_mm256_loadu_ps(k.eta_r.data() + s), _mm256_set1_ps(-0.0f)), x), x));
-        _mm256_storeu_ps(out + s, _mm256_fmadd_ps(e, scale, _mm256_loadu_ps(out + s)));
-      }
-      if (n.r <= k.rc_a) ang.push_back(n);
-    }
-    angular_cutoffs<float>(ang, k.rc_a, fc_a, nullptr, nullptr);
-    collect_triples(ang, triples);
-    size_t q = 0;
-    if (paired) {  // Z = 4: two triples per section-factor vector, still added in order
-      for (; q + 1 < triples.size(); q += 2) {
-        const TripleRef& a = triples[q];
-        const TripleRef& b = triples[q + 1];
-        const __m256 f1 = section_factor(lanes, halves(a.t.c, b.t.c), halves(a.t.sin_c, b.t.sin_c));
-        add_triple_aev(lanes, k, row, ang, fc_a, a, low_half_twice(f1));
-        add_triple_aev(lanes, k, row, ang, fc_a, b, high_half_twice(f1));
-      }
-    }
-    for (; q < triples.size(); ++q) {
-      const TripleRef& a = triples[q];
-      add_triple_aev(lanes, k, row, ang, fc_a, a,
-                     section_factor(lanes, _mm256_set1_ps(a.t.c), _mm256_set1_ps(a.t.sin_c)));
+    sorted_neighbors(h, i, species, diff, k, false, w.all, w.ang, w.cursor);
+    radial_forward(w.all, k, row);
+    switch (k.Z) {  // (no lambda here: it would not inherit this function's target)
+      case 1: angular_forward<1>(w, k, ac, row); break;
+      case 2: angular_forward<2>(w, k, ac, row); break;
+      case 4: angular_forward<4>(w, k, ac, row); break;
+      default: angular_forward<8>(w, k, ac, row); break;
     }
   }
 }
@@ -253,58 +550,18 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
 TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                  const float* diff, const HalfEdges& h, const Consts<float>& k,
                                  const float* grad_aev, float* grad_edge) {
-  std::vector<Neighbor<float>> nbrs, ang;
-  std::vector<float> fc_a, dfc_a, inv_r;
-  std::vector<TripleRef> triples;
-  const AngularLanes lanes(k);
-  const bool paired = k.Z == 4;
-  const __m256 quarter = _mm256_set1_ps(0.25f), neg_zero = _mm256_set1_ps(-0.0f);
+  AngularScratch w;
+  const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
     if (species[i] < 0) continue;
     const float* grow = grad_aev + i * k.F;
-    gather_neighbors(h, i, species, diff, nbrs);
-    ang.clear();
-    for (const auto& n : nbrs) {
-      if (n.r <= k.rc_a) ang.push_back(n);
-      if (!(n.r > 0)) continue;  // coincident atoms: the direction is undefined
-      const __m256 r = _mm256_set1_ps(n.r);
-      const __m256 fc = _mm256_set1_ps(cutoff_cos(n.r, k.rc_r));
-      const __m256 dfc = _mm256_set1_ps(cutoff_cos_deriv(n.r, k.rc_r));
-      const float* g = grow + n.species * k.R;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t s = 0; s < k.R; s += 8) {
-        const __m256 eta = _mm256_loadu_ps(k.eta_r.data() + s);
-        const __m256 x = _mm256_sub_ps(r, _mm256_loadu_ps(k.shf_r.data() + s));
-        const __m256 e = _mm256_mul_ps(quarter, simd::exp(_mm256_mul_ps(_mm256_mul_ps(_mm256_xor_ps(eta, neg_zero), x), x)));
-        // d/dr of e fc = e (dfc - 2 eta x fc)
-        const __m256 d = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_add_ps(eta, eta), x), fc, dfc);
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(g + s), e), d, acc);
-      }
-      const float dr_r = simd::hsum(acc) / n.r;
-      float* ge = grad_edge + 3 * n.edge;
-      for (int c = 0; c < 3; ++c) ge[c] += dr_r * n.v[c];
-    }
-    angular_cutoffs(ang, k.rc_a, fc_a, &dfc_a, &inv_r);
-    collect_triples(ang, triples);
-    size_t q = 0;
-    __m256 f1, df1;
-    if (paired) {  // as in forward_atoms_avx2
-      for (; q + 1 < triples.size(); q += 2) {
-        const TripleRef& a = triples[q];
-        const TripleRef& b = triples[q + 1];
-        section_parts(lanes, halves(a.t.c, b.t.c), halves(a.t.sin_c, b.t.sin_c),
-                      halves(a.t.c / a.t.sin_c, b.t.c / b.t.sin_c), f1, df1);
-        add_triple_grad_avx2(lanes, k, grow, ang, a, fc_a, dfc_a, inv_r, low_half_twice(f1),
-                             low_half_twice(df1), grad_edge);
-        add_triple_grad_avx2(lanes, k, grow, ang, b, fc_a, dfc_a, inv_r, high_half_twice(f1),
-                             high_half_twice(df1), grad_edge);
-      }
-    }
-    for (; q < triples.size(); ++q) {
-      const TripleRef& a = triples[q];
-      section_parts(lanes, _mm256_set1_ps(a.t.c), _mm256_set1_ps(a.t.sin_c),
-                    _mm256_set1_ps(a.t.c / a.t.sin_c), f1, df1);
-      add_triple_grad_avx2(lanes, k, grow, ang, a, fc_a, dfc_a, inv_r, f1, df1, grad_edge);
+    sorted_neighbors(h, i, species, diff, k, true, w.all, w.ang, w.cursor);
+    radial_backward(w.all, k, grow, w.coef, grad_edge);
+    switch (k.Z) {
+      case 1: angular_backward<1>(w, k, ac, grow, grad_edge); break;
+      case 2: angular_backward<2>(w, k, ac, grow, grad_edge); break;
+      case 4: angular_backward<4>(w, k, ac, grow, grad_edge); break;
+      default: angular_backward<8>(w, k, ac, grow, grad_edge); break;
     }
   }
 }

@@ -78,6 +78,28 @@ TF_AVX2_INLINE __m256 log(__m256 x) {
                          _mm256_fmadd_ps(ef, _mm256_set1_ps(1.42860676533018672e-6f), ln_m));
 }
 
+// sin(v) for |v| <= pi / 2: Taylor series to v^13 (truncation below 1e-9).
+TF_AVX2_INLINE __m256 sin_half_pi(__m256 v) {
+  const __m256 v2 = _mm256_mul_ps(v, v);
+  __m256 p = _mm256_fmadd_ps(v2, _mm256_set1_ps(1.0f / 6227020800.0f), _mm256_set1_ps(-1.0f / 39916800.0f));
+  p = _mm256_fmadd_ps(v2, p, _mm256_set1_ps(1.0f / 362880.0f));
+  p = _mm256_fmadd_ps(v2, p, _mm256_set1_ps(-1.0f / 5040.0f));
+  p = _mm256_fmadd_ps(v2, p, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(v2, p, _mm256_set1_ps(-1.0f / 6.0f));
+  return _mm256_fmadd_ps(_mm256_mul_ps(v, v2), p, v);
+}
+
+// cos(x) and sin(x) for 0 <= x <= pi (the cutoff function's range), through
+// sin of pi/2 - x and of min(x, pi - x), each reduced with a two-part pi so
+// that both keep their relative accuracy near their zeros.
+TF_AVX2_INLINE void cos_sin_0_pi(__m256 x, __m256& c, __m256& s) {
+  const __m256 half_pi = _mm256_sub_ps(_mm256_set1_ps(1.57079637f), x);
+  c = sin_half_pi(_mm256_add_ps(half_pi, _mm256_set1_ps(-4.37113883e-8f)));
+  const __m256 pi_minus = _mm256_add_ps(_mm256_sub_ps(_mm256_set1_ps(3.14159274f), x),
+                                        _mm256_set1_ps(-8.74227766e-8f));
+  s = sin_half_pi(_mm256_min_ps(x, pi_minus));
+}
+
 TF_AVX2_INLINE float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

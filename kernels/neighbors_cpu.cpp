@@ -21,6 +21,7 @@
 
 #include "neighbors_common.h"
 #include "ops.h"
+#include "simd_math.h"
 
 namespace torchani_fast {
 namespace {
@@ -31,7 +32,74 @@ struct MoleculeBins {
   std::array<Axis, 3> axis;
   std::vector<int64_t> bin_start;  // (nbins + 1,)
   std::vector<int64_t> bin_atoms;  // flattened atom indices sorted by bin
+  std::vector<double> x, y, z;     // their wrapped coordinates, in that order (+ 4 padding)
 };
+
+// One candidate bin of atom i: the atoms at bin positions [q0, q1) whose image
+// (translated by t, periodic image img) lies within the cutoff and whose pair
+// i owns, appended to `found` as (j, image (3)) records; returns how many.
+struct BinScan {
+  int64_t i, q0, q1;
+  const double* w;    // atom i's wrapped coordinates
+  const double* t;    // the image's translation
+  const int64_t* img;
+  double cutoff_sq;
+};
+
+inline void record_pair(const BinScan& s, int64_t j, const int64_t* shift,
+                        std::vector<int64_t>& found) {
+  found.push_back(j);
+  // x'[i] - (x'[j] + img @ C) with x' = x - shift @ C gives
+  // x[i] - x[j] + (shift[j] - shift[i] - img) @ C.
+  for (int a = 0; a < 3; ++a) found.push_back(shift[3 * j + a] - shift[3 * s.i + a] - s.img[a]);
+}
+
+int64_t scan_bin(const BinScan& s, const MoleculeBins& mol, const int64_t* shift,
+                 std::vector<int64_t>& found) {
+  int64_t n = 0;
+  for (int64_t q = s.q0; q < s.q1; ++q) {
+    const int64_t j = mol.bin_atoms[q];
+    if (!neighbors::owns_pair(s.i, j, s.img)) continue;
+    const double v0 = s.w[0] - mol.x[q] - s.t[0], v1 = s.w[1] - mol.y[q] - s.t[1],
+                 v2 = s.w[2] - mol.z[q] - s.t[2];
+    const double r2 = v0 * v0 + v1 * v1 + v2 * v2;
+    if (r2 > s.cutoff_sq) continue;
+    record_pair(s, j, shift, found);
+    ++n;
+  }
+  return n;
+}
+
+#ifdef TF_SIMD_AVX2
+// scan_bin on 4 candidates per vector. The same pairs in the same order, except
+// that r^2 may round differently (fused multiply-add), which can only move a pair
+// at the cutoff itself, where every term is zero.
+TF_AVX2 int64_t scan_bin_avx2(const BinScan& s, const MoleculeBins& mol, const int64_t* shift,
+                              std::vector<int64_t>& found) {
+  const __m256d wx = _mm256_set1_pd(s.w[0]), wy = _mm256_set1_pd(s.w[1]), wz = _mm256_set1_pd(s.w[2]);
+  const __m256d tx = _mm256_set1_pd(s.t[0]), ty = _mm256_set1_pd(s.t[1]), tz = _mm256_set1_pd(s.t[2]);
+  const __m256d cut = _mm256_set1_pd(s.cutoff_sq);
+  int64_t n = 0;
+  for (int64_t q = s.q0; q < s.q1; q += 4) {
+    const __m256d v0 = _mm256_sub_pd(_mm256_sub_pd(wx, _mm256_loadu_pd(mol.x.data() + q)), tx);
+    const __m256d v1 = _mm256_sub_pd(_mm256_sub_pd(wy, _mm256_loadu_pd(mol.y.data() + q)), ty);
+    const __m256d v2 = _mm256_sub_pd(_mm256_sub_pd(wz, _mm256_loadu_pd(mol.z.data() + q)), tz);
+    const __m256d r2 = _mm256_add_pd(_mm256_add_pd(_mm256_mul_pd(v0, v0), _mm256_mul_pd(v1, v1)),
+                                     _mm256_mul_pd(v2, v2));
+    int bits = _mm256_movemask_pd(_mm256_cmp_pd(r2, cut, _CMP_LE_OQ));
+    bits &= (1 << std::min<int64_t>(4, s.q1 - q)) - 1;  // lanes past the bin's end
+    while (bits) {
+      const int lane = __builtin_ctz(bits);
+      bits &= bits - 1;
+      const int64_t j = mol.bin_atoms[q + lane];
+      if (!neighbors::owns_pair(s.i, j, s.img)) continue;
+      record_pair(s, j, shift, found);
+      ++n;
+    }
+  }
+  return n;
+}
+#endif
 
 constexpr int64_t kChunk = 256;  // atoms per output chunk
 constexpr size_t kRecord = 4;    // j, image (3)
@@ -133,6 +201,13 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
       std::vector<int64_t> cursor(mol.bin_start.begin(), mol.bin_start.end() - 1);
       for (int64_t i = m * A; i < (m + 1) * A; ++i)
         if (species[i] >= 0) mol.bin_atoms[cursor[bin_of[i]]++] = i;
+      for (auto* v : {&mol.x, &mol.y, &mol.z}) v->assign(count + 4, 0.0);
+      for (int64_t q = 0; q < count; ++q) {
+        const double* w = &wrapped[3 * mol.bin_atoms[q]];
+        mol.x[q] = w[0];
+        mol.y[q] = w[1];
+        mol.z[q] = w[2];
+      }
     }
   });
 
@@ -145,6 +220,10 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
   found.assign(num_chunks, {});
   count.assign(N, 0);
   const double cutoff_sq = cutoff * cutoff;
+  auto scan_fn = scan_bin;
+#ifdef TF_SIMD_AVX2
+  if (simd::have_avx2()) scan_fn = scan_bin_avx2;
+#endif
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     for (int64_t i = chunk_begin * kChunk; i < std::min(N, chunk_end * kChunk); ++i) {
       if (species[i] < 0) continue;
@@ -160,22 +239,9 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
             if (!neighbors::offset_bin(mol.axis.data(), own, d, bin, img)) continue;
             double t[3];
             neighbors::image_translation(img, C, t);
-            for (int64_t q = mol.bin_start[bin]; q < mol.bin_start[bin + 1]; ++q) {
-              const int64_t j = mol.bin_atoms[q];
-              if (!neighbors::owns_pair(i, j, img)) continue;
-              double r2 = 0;
-              for (int c = 0; c < 3; ++c) {
-                const double v = wrapped[3 * i + c] - wrapped[3 * j + c] - t[c];
-                r2 += v * v;
-              }
-              if (r2 > cutoff_sq) continue;
-              ++count[i];
-              mine.push_back(j);
-              // x'[i] - (x'[j] + img @ C) with x' = x - shift @ C gives
-              // x[i] - x[j] + (shift[j] - shift[i] - img) @ C.
-              for (int a = 0; a < 3; ++a)
-                mine.push_back(shift[3 * j + a] - shift[3 * i + a] - img[a]);
-            }
+            const BinScan scan{i, mol.bin_start[bin], mol.bin_start[bin + 1], &wrapped[3 * i], t,
+                               img, cutoff_sq};
+            count[i] += scan_fn(scan, mol, shift.data(), mine);
           }
     }
   });

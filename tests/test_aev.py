@@ -58,13 +58,14 @@ def chloromethane(dtype=torch.float64):
     return species, coords
 
 
-def test_aev_with_chlorine():
-    ref, fast = model_pair("ANI2x", torch.float64)
-    species, coords = chloromethane()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_aev_with_chlorine(dtype):
+    ref, fast = model_pair("ANI2x", dtype)
+    species, coords = chloromethane(dtype)
     elem = ref.species_converter(species)
     expected = ref.potentials["nnp"].aev_computer(elem, coords)
     got = fast.potentials["nnp"].aev_computer(elem, coords)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got, expected, **tol(dtype))
 
 
 def aev_args(aev_computer, dtype):
@@ -147,7 +148,8 @@ def _aev_and_gradient(aev_computer, species, coords, cell, pbc, weights):
 
 @pytest.mark.parametrize("model,name", [
     ("ANI2x", "2iuz_ligand.xyz"), ("ANI2x", "1hz5.xyz"), ("ANI2x", "water-0.8nm.xyz"),
-    ("ANI2x", "tight_cell.xyz"), ("ANI1x", "1hvj_ligand.xyz"), ("ANI1x", "benzene.xyz")])
+    ("ANI2x", "tight_cell.xyz"), ("ANI2x", "3hkw_ligand.xyz"), ("ANI2x", "dense cluster"),
+    ("ANI1x", "1hvj_ligand.xyz"), ("ANI1x", "benzene.xyz")])
 def test_float32_aev_and_gradient_as_accurate_as_torchani_float32(model, name):
     # float32 takes the vectorised CPU kernels (on AVX2 CPUs: triples 8 to a
     # vector, neighbours sorted by species, polynomial cutoffs); ANI-1x has 8
@@ -157,7 +159,13 @@ def test_float32_aev_and_gradient_as_accurate_as_torchani_float32(model, name):
     ref64 = reference_model(model, torch.float64)
     ref32 = reference_model(model, torch.float32)
     fast = torchani_fast.patch(copy.deepcopy(ref32))
-    species, coords, cell, pbc = atoms_to_tensors(read_molecule(name), torch.float64)
+    if name == "dense cluster":  # 64 atoms of all 7 elements in a 4.5 A box: ~60 angular
+        g = torch.Generator().manual_seed(5)  # neighbours, ~1800 triples per atom
+        species = torch.tensor([[1, 6, 7, 8, 16, 9, 17, 1] * 8])
+        coords = torch.rand(1, 64, 3, generator=g, dtype=torch.float64) * 4.5
+        cell = pbc = None
+    else:
+        species, coords, cell, pbc = atoms_to_tensors(read_molecule(name), torch.float64)
     elem = ref64.species_converter(species)
     weights = torch.randn(*elem.shape, ref64.potentials["nnp"].aev_computer.out_dim,
                           generator=torch.Generator().manual_seed(3), dtype=torch.float64)

@@ -3,7 +3,8 @@
 //
 //   panel_gemm(A, W)      = A W (+ bias, or + C; then * D)   float32, AVX2 + FMA
 //   panel_nt(G, W)        = G W^T (+ C, or * D)               float32, AVX2, 1-2 rows
-//   gemm_bias(A, B, bias) = A B + bias                        any dtype, BLAS
+//   gemm_bias(A, B, bias) = A B + bias                        any dtype, BLAS; one
+//                           output column: dot products (AVX2 for float32)
 //   gemm_nt(A, B, D)      = (A B^T) * D, or C (+)= A B^T      any dtype, BLAS
 //
 // panel_gemm reads W as column panels of 16, each (k, 16) and contiguous (the
@@ -182,6 +183,29 @@ TF_AVX2 inline void panel_nt_avx2(int64_t m, int64_t k, int64_t n, const float* 
     }
   }
 }
+
+// c[r * ldc] = a_r . b + bias for the m rows a_r of A (m x k), b contiguous:
+// 16 products per step in two accumulators, instead of one dependent
+// scalar chain (the networks' last layer, a row per atom and member).
+TF_AVX2 inline void dot_rows_avx2(int64_t m, int64_t k, const float* a, int64_t lda,
+                                  const float* b, float bias, float* c, int64_t ldc) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* ar = a + r * lda;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 16 <= k; p += 16) {
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(ar + p), _mm256_loadu_ps(b + p), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(ar + p + 8), _mm256_loadu_ps(b + p + 8), acc1);
+    }
+    if (p + 8 <= k) {
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(ar + p), _mm256_loadu_ps(b + p), acc0);
+      p += 8;
+    }
+    float s = simd::hsum(_mm256_add_ps(acc0, acc1));
+    for (; p < k; ++p) s += ar[p] * b[p];
+    c[r * ldc] = s + bias;
+  }
+}
 #endif
 
 // Whether panel_gemm can run here (float32, x86-64 with AVX2 and FMA).
@@ -233,6 +257,14 @@ template <typename T>
 void gemm_bias(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
                const T* bias, T* c, int64_t ldc) {
   if (n == 1) {  // one output (the last layer): dot products
+#ifdef TF_SIMD_AVX2
+    if constexpr (std::is_same_v<T, float>) {
+      if (ldb == 1 && simd::have_avx2()) {
+        dot_rows_avx2(m, k, a, lda, b, bias[0], c, ldc);
+        return;
+      }
+    }
+#endif
     for (int64_t r = 0; r < m; ++r) {
       T s = 0;
       for (int64_t p = 0; p < k; ++p) s += a[r * lda + p] * b[p * ldb];

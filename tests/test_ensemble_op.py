@@ -79,6 +79,8 @@ CASES = {
     "one-atom": ([32, 16, 16], [16], [1]),
     "two-atoms": ([48, 32, 16], [32, 64], [2, 1]),  # backward on the forward panels (<= 2 rows)
     "odd-widths": ([10, 6], [7, 13], [9, 66]),  # not multiples of 16: BLAS only
+    # last hidden width 30 = 16 + 8 + 6: every step of the last layer's dot products
+    "dot-tails": ([16, 30], [16, 32], [9, 40]),
     "linear": ([], [16, 32], [4, 3]),  # one Linear layer: J = W^T
 }
 

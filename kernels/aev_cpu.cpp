@@ -123,12 +123,37 @@ struct NeighborArrays {
   }
 };
 
+// Per-thread scratch of one centre's terms, reused from atom to atom.
+struct CentreScratch {
+  NeighborArrays all, ang;
+  std::vector<int64_t> cursor;
+  // Triples, block after block, each block padded to a multiple of 8.
+  // Forward and backward: c = 0.95 cos, sqrt(1 - c^2), the mean distance and
+  // fc1 fc2. Backward also: cos (unclamped), whether the product r1 r2 was
+  // clamped (a lane mask), the two neighbours' cutoffs, cutoff derivatives and
+  // 1 / r, their indices, and the triple's gradient coefficients (c12, c1, c2;
+  // see block_backward).
+  std::vector<float> c, sin_c, mean_r, fcc;
+  std::vector<float> q, clamped, fc1, fc2, dfc1, dfc2, inv1, inv2, c12, c1, c2;
+  std::vector<int32_t> j, l;
+  struct Block {
+    int64_t pair, begin, count;
+  };
+  std::vector<Block> blocks;
+  std::vector<float> f1;    // forward: f1 fcc per triple and section
+  std::vector<float> pair;  // backward: (n, n8) coefficients of the neighbours' vectors
+  std::vector<float> diag;  // backward: (n,) coefficient of each neighbour's own vector
+  std::vector<float> coef;  // backward: (n + 8,) radial terms' coefficient of each neighbour
+};
+
 // All neighbours of centre i from its half edges, sorted by species, with their
-// distances; then those within rc_a into `ang`, in the same order.
+// distances, into w.all; then those within rc_a into w.ang, in the same order.
 TF_AVX2 void sorted_neighbors(const HalfEdges& h, int64_t i, const int64_t* species,
                               const float* diff, const Consts<float>& k, bool backward,
-                              NeighborArrays& all, NeighborArrays& ang,
-                              std::vector<int64_t>& cursor) {
+                              CentreScratch& w) {
+  NeighborArrays& all = w.all;
+  NeighborArrays& ang = w.ang;
+  std::vector<int64_t>& cursor = w.cursor;
   const int64_t e0 = h.start[i], e1 = h.start[i + 1];
   all.resize(e1 - e0, k.S);
   for (int64_t e = e0; e < e1; ++e) all.seg[species[h.other[e]] + 1]++;
@@ -171,28 +196,6 @@ TF_AVX2 void sorted_neighbors(const HalfEdges& h, int64_t i, const int64_t* spec
   ang.cutoffs(k.rc_a, backward);
 }
 
-// Per-thread scratch of the angular terms, reused from atom to atom.
-struct AngularScratch {
-  NeighborArrays all, ang;
-  std::vector<int64_t> cursor;
-  // Triples, block after block, each block padded to a multiple of 8.
-  // Forward and backward: c = 0.95 cos, sqrt(1 - c^2), the mean distance and
-  // fc1 fc2. Backward also: cos (unclamped), whether the product r1 r2 was
-  // clamped, the two neighbours' cutoffs, cutoff derivatives and 1 / r, their
-  // indices, and the triple's gradient coefficients (c12, c1, c2; see below).
-  std::vector<float> c, sin_c, mean_r, fcc;
-  std::vector<float> q, clamped, fc1, fc2, dfc1, dfc2, inv1, inv2, c12, c1, c2;
-  std::vector<int32_t> j, l;
-  struct Block {
-    int64_t pair, begin, count;
-  };
-  std::vector<Block> blocks;
-  std::vector<float> f1;    // forward: f1 fcc per triple and section
-  std::vector<float> pair;  // backward: (n, n8) coefficients of the neighbours' vectors
-  std::vector<float> diag;  // backward: (n,) coefficient of each neighbour's own vector
-  std::vector<float> coef;  // backward: (n + 8,) radial terms' coefficient of each neighbour
-};
-
 TF_AVX2_INLINE void store_at(std::vector<float>& v, int64_t t, __m256 x) {
   _mm256_storeu_ps(v.data() + t, x);
 }
@@ -200,7 +203,7 @@ TF_AVX2_INLINE void store_at(std::vector<float>& v, int64_t t, __m256 x) {
 // The triples of every species pair present, block after block; lanes run
 // over the second neighbour l for a fixed first neighbour j. The geometry is
 // make_triple's, lane for lane.
-TF_AVX2 void list_triples(AngularScratch& w, const Consts<float>& k, bool backward) {
+TF_AVX2 void list_triples(CentreScratch& w, const Consts<float>& k, bool backward) {
   const int64_t n = w.ang.n;
   size_t cap = static_cast<size_t>(n * (n - 1) / 2 + 8 * (k.S * (k.S + 1) / 2 + 1));
   if (w.c.size() < cap) {
@@ -245,7 +248,7 @@ TF_AVX2 void list_triples(AngularScratch& w, const Consts<float>& k, bool backwa
           store_at(w.fcc, t, _mm256_mul_ps(fcj, fcl));
           if (backward) {
             store_at(w.q, t, q);
-            store_at(w.clamped, t, _mm256_and_ps(is_clamped, one));
+            store_at(w.clamped, t, is_clamped);
             store_at(w.fc1, t, fcj);
             store_at(w.fc2, t, fcl);
             store_at(w.dfc1, t, _mm256_set1_ps(w.ang.dfc[j]));
@@ -317,7 +320,7 @@ TF_AVX2_INLINE __m256 sums8(const __m256* v) {
 // f1 fc1 fc2 per triple and section, then per pass over the triples 8 / Z
 // shifts, one accumulator per term.
 template <int Z>
-TF_AVX2 void block_forward(AngularScratch& w, const AngularScratch::Block& b,
+TF_AVX2 void block_forward(CentreScratch& w, const CentreScratch::Block& b,
                            const AngularConsts& ac, int64_t A, float* out) {
   constexpr int kShifts = 8 / Z;  // shifts per pass: 8 accumulators
   const int64_t vectors = (b.count + 7) / 8;
@@ -366,9 +369,9 @@ TF_AVX2 void block_forward(AngularScratch& w, const AngularScratch::Block& b,
 // on the neighbours' vectors v1, v2 is
 //   g1 = c12 v2 + c1 v1,  g2 = c12 v1 + c2 v2   (as add_triple_grad).
 template <int Z>
-TF_AVX2 void block_backward(AngularScratch& w, const AngularScratch::Block& b,
+TF_AVX2 void block_backward(CentreScratch& w, const CentreScratch::Block& b,
                             const AngularConsts& ac, int64_t A, const float* g) {
-  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+  const __m256 two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
   const __m256 shrink = _mm256_set1_ps(0.95f), big = _mm256_set1_ps(1e10f);
   for (int64_t t = b.begin; t < b.begin + b.count; t += 8) {
     const __m256 m = _mm256_loadu_ps(w.mean_r.data() + t);
@@ -401,14 +404,14 @@ TF_AVX2 void block_backward(AngularScratch& w, const AngularScratch::Block& b,
     }
     const __m256 fc1 = _mm256_loadu_ps(w.fc1.data() + t), fc2 = _mm256_loadu_ps(w.fc2.data() + t);
     const __m256 inv1 = _mm256_loadu_ps(w.inv1.data() + t), inv2 = _mm256_loadu_ps(w.inv2.data() + t);
-    const __m256 fcc = _mm256_mul_ps(fc1, fc2);
+    const __m256 fcc = _mm256_loadu_ps(w.fcc.data() + t);
     const __m256 d_cos = _mm256_mul_ps(_mm256_mul_ps(shrink, fcc), s_dc);
     const __m256 d_m = _mm256_mul_ps(_mm256_mul_ps(half, fcc), s_dm);
     const __m256 d_r1 = _mm256_fmadd_ps(_mm256_mul_ps(s_val, _mm256_loadu_ps(w.dfc1.data() + t)), fc2, d_m);
     const __m256 d_r2 = _mm256_fmadd_ps(_mm256_mul_ps(s_val, fc1), _mm256_loadu_ps(w.dfc2.data() + t), d_m);
     const __m256 c1 = _mm256_mul_ps(d_r1, inv1), c2 = _mm256_mul_ps(d_r2, inv2);
     const __m256 dq = _mm256_mul_ps(d_cos, _mm256_loadu_ps(w.q.data() + t));
-    const __m256 clamped = _mm256_cmp_ps(_mm256_loadu_ps(w.clamped.data() + t), one, _CMP_EQ_OQ);
+    const __m256 clamped = _mm256_loadu_ps(w.clamped.data() + t);
     store_at(w.c12, t, _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(d_cos, inv1), inv2),
                                         _mm256_mul_ps(d_cos, big), clamped));
     store_at(w.c1, t, _mm256_blendv_ps(_mm256_fnmadd_ps(_mm256_mul_ps(dq, inv1), inv1, c1), c1, clamped));
@@ -418,7 +421,7 @@ TF_AVX2 void block_backward(AngularScratch& w, const AngularScratch::Block& b,
 
 // The angular terms of one centre: added to its AEV row (forward).
 template <int Z>
-TF_AVX2 void angular_forward(AngularScratch& w, const Consts<float>& k, const AngularConsts& ac,
+TF_AVX2 void angular_forward(CentreScratch& w, const Consts<float>& k, const AngularConsts& ac,
                              float* row) {
   list_triples(w, k, false);
   for (const auto& b : w.blocks)
@@ -429,7 +432,7 @@ TF_AVX2 void angular_forward(AngularScratch& w, const Consts<float>& k, const An
 // triple's coefficients go into a (neighbour x neighbour) table, then every
 // neighbour's gradient is its row of the table times the neighbours' vectors.
 template <int Z>
-TF_AVX2 void angular_backward(AngularScratch& w, const Consts<float>& k, const AngularConsts& ac,
+TF_AVX2 void angular_backward(CentreScratch& w, const Consts<float>& k, const AngularConsts& ac,
                               const float* grow, float* grad_edge) {
   list_triples(w, k, true);
   const int64_t n = w.ang.n, n8 = (n + 7) / 8 * 8;
@@ -530,13 +533,13 @@ TF_AVX2 void radial_backward(const NeighborArrays& nb, const Consts<float>& k, c
 TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                 const float* diff, const HalfEdges& h, const Consts<float>& k,
                                 float* aev) {
-  AngularScratch w;
+  CentreScratch w;
   const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
     float* row = aev + i * k.F;
     std::fill(row, row + k.F, 0.0f);  // (the output is allocated uninitialised)
     if (species[i] < 0) continue;
-    sorted_neighbors(h, i, species, diff, k, false, w.all, w.ang, w.cursor);
+    sorted_neighbors(h, i, species, diff, k, false, w);
     radial_forward(w.all, k, row);
     switch (k.Z) {  // (no lambda here: it would not inherit this function's target)
       case 1: angular_forward<1>(w, k, ac, row); break;
@@ -550,12 +553,12 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
 TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                  const float* diff, const HalfEdges& h, const Consts<float>& k,
                                  const float* grad_aev, float* grad_edge) {
-  AngularScratch w;
+  CentreScratch w;
   const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
     if (species[i] < 0) continue;
     const float* grow = grad_aev + i * k.F;
-    sorted_neighbors(h, i, species, diff, k, true, w.all, w.ang, w.cursor);
+    sorted_neighbors(h, i, species, diff, k, true, w);
     radial_backward(w.all, k, grow, w.coef, grad_edge);
     switch (k.Z) {
       case 1: angular_backward<1>(w, k, ac, grow, grad_edge); break;

@@ -35,9 +35,8 @@ struct MoleculeBins {
   std::vector<double> x, y, z;     // their wrapped coordinates, in that order (+ 4 padding)
 };
 
-// One candidate bin of atom i: the atoms at bin positions [q0, q1) whose image
-// (translated by t, periodic image img) lies within the cutoff and whose pair
-// i owns, appended to `found` as (j, image (3)) records; returns how many.
+// One candidate bin of atom i: bin positions [q0, q1), seen through the
+// periodic image img (translation t).
 struct BinScan {
   int64_t i, q0, q1;
   const double* w;    // atom i's wrapped coordinates
@@ -54,6 +53,8 @@ inline void record_pair(const BinScan& s, int64_t j, const int64_t* shift,
   for (int a = 0; a < 3; ++a) found.push_back(shift[3 * j + a] - shift[3 * s.i + a] - s.img[a]);
 }
 
+// The atoms of the bin within the cutoff of atom i whose pair i owns, appended
+// to `found` as (j, image (3)) records; returns how many.
 int64_t scan_bin(const BinScan& s, const MoleculeBins& mol, const int64_t* shift,
                  std::vector<int64_t>& found) {
   int64_t n = 0;

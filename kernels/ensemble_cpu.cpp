@@ -477,6 +477,22 @@ at::Tensor ensemble_energies_cpu(const at::Tensor& aev, const at::Tensor& atoms,
   return energies_from_values(values, molecules, divisor);
 }
 
+std::tuple<bool, int64_t> weights_state(at::TensorList params) {
+  bool requires_grad = false;
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over 64-bit words
+  auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  for (const at::Tensor& p : params) {
+    requires_grad |= p.requires_grad();
+    const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+    mix(impl->has_storage() ? reinterpret_cast<uintptr_t>(impl->storage().data()) : 0);
+    mix(static_cast<uint64_t>(impl->storage_offset()));
+    // Inference tensors keep no version counter (and cannot change outside
+    // inference mode).
+    mix(p.is_inference() ? 0 : static_cast<uint64_t>(p._version()));
+  }
+  return {requires_grad, static_cast<int64_t>(h >> 1)};
+}
+
 // Whether any of p[0 .. n) is nonzero (NaN counts, as ne(0) does); no early
 // exit, so that the loop vectorises.
 template <typename T>

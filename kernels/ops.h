@@ -279,6 +279,14 @@ at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& a
                                       at::TensorList panels, at::IntArrayRef layers,
                                       int64_t members, int64_t molecules, int64_t divisor);
 
+// weights_state (ensemble_cpu.cpp): whether any of params requires grad, and a
+// fingerprint of their storages, offsets and version counters, which changes
+// when one of them is modified in place (load_state_dict, copy_, an optimizer
+// step) or given new storage (param.data = ...). FusedEnsemble drops its
+// packed copies when it changes. Writes through .data do not count: .data has
+// its own version counter.
+std::tuple<bool, int64_t> weights_state(at::TensorList params);
+
 // group_atoms: how FusedEnsemble groups atoms for layer 1 (nn.py, _groups):
 // one group per element present, reading the AEV columns of every element
 // present (a bitmask); with aev (rows, features) given and at least

@@ -3,17 +3,32 @@
 // Python in torchani_fast/ops.py. The AEV kernels take an AEVParams; AevOp
 // (ops.h) gives them the flat signature of their schema.
 #include <Python.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "ops.h"
 #include "schemas.h"
 
+namespace torchani_fast {
+// weights_state of tensors kept on the C++ side (torch.classes.torchani_fast.
+// WeightsWatch): an eager caller checks them on every call without converting
+// a Python list each time.
+struct WeightsWatch : torch::CustomClassHolder {
+  explicit WeightsWatch(std::vector<at::Tensor> tensors) : params(std::move(tensors)) {}
+  std::tuple<bool, int64_t> state() const { return weights_state(params); }
+  std::vector<at::Tensor> params;
+};
+}  // namespace torchani_fast
+
 TORCH_LIBRARY(torchani_fast, m) {
   using namespace torchani_fast::schema;
+  m.class_<torchani_fast::WeightsWatch>("WeightsWatch")
+      .def(torch::init<std::vector<at::Tensor>>())
+      .def("state", &torchani_fast::WeightsWatch::state);
   for (const char* schema :
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
-        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kGroupAtoms, kFirstInvalidAtom,
+        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kWeightsState, kGroupAtoms, kFirstInvalidAtom,
         kConvertSpecies}) {
     m.def(schema);
   }
@@ -37,6 +52,11 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("group_atoms", &group_atoms_cpu);
   m.impl("first_invalid_atom", &first_invalid_atom_cpu);
   m.impl("convert_species", &convert_species_cpu);
+}
+
+// Reads tensor metadata only: one kernel for every device, above autograd.
+TORCH_LIBRARY_IMPL(torchani_fast, CompositeImplicitAutograd, m) {
+  m.impl("weights_state", &torchani_fast::weights_state);
 }
 
 #ifdef TORCHANI_FAST_CUDA

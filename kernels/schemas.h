@@ -47,6 +47,8 @@ constexpr const char* kEnsembleEnergies =
 constexpr const char* kGroupAtoms =
     "group_atoms(Tensor elem_idxs, int num_species, Tensor? aev=None, int radial_sublen=0, "
     "int split_min_atoms=0) -> (Tensor atoms, Tensor groups)";
+constexpr const char* kWeightsState =
+    "weights_state(Tensor[] params) -> (bool requires_grad, int fingerprint)";
 constexpr const char* kFirstInvalidAtom = "first_invalid_atom(Tensor species, Tensor coords) -> int";
 constexpr const char* kConvertSpecies =
     "convert_species(Tensor atomic_nums, Tensor conv) -> (Tensor elem_idxs, int first_invalid)";

@@ -255,6 +255,53 @@ def test_frozen_call_after_training_sees_the_new_weights():
     assert_energies(fast((species, coords)).energies, ref((species, coords)).energies, torch.float64)
 
 
+@pytest.mark.parametrize("scripted", [False, True], ids=["eager", "scripted"])
+def test_weights_changed_in_place_are_seen_without_clear_cache(scripted):
+    # Packs cached by earlier calls must follow every change of the parameters
+    # that does not go through .data: load_state_dict (which a scripted module
+    # cannot intercept), an in-place edit under no_grad, new storage. Two
+    # compositions: a change to S's weights must reach the S-containing
+    # molecule even after a CHNO call has run on its own cached plan.
+    ref, fast = model_pair("ANI2x", torch.float64)
+    if scripted:
+        fast = torch.jit.script(fast)
+    mols = {}
+    for name in ("2iuz_ligand.xyz", "3o99_ligand.xyz"):
+        z, xyz = _molecule(name)
+        mols[name] = (torch.tensor([z]), torch.tensor([xyz], dtype=torch.float64))
+
+    def check():
+        for species, coords in mols.values():
+            e_ref, f_ref = energy_forces(ref, species, coords)
+            e, f = energy_forces(fast, species, coords)
+            assert_energies(e, e_ref, torch.float64)
+            assert_forces(f, f_ref, torch.float64)
+            assert_energies(fast((species, coords)).energies, ref((species, coords)).energies,
+                            torch.float64)  # energies only: the op's own reduction
+
+    def params(model):
+        return dict(model.named_parameters())
+
+    check()  # fills the caches
+    net = "potentials.nnp.neural_networks.members."
+    perturbed = {k: (v * 1.01 if k.startswith(net) else v) for k, v in ref.state_dict().items()}
+    ref.load_state_dict(perturbed)
+    fast.load_state_dict(perturbed, strict=not scripted)  # a scripted state_dict also lists non-persistent buffers
+    check()
+    for name, edit in (("3.atomics.H.layers.1.weight", lambda p: p.mul_(0.97)),
+                       ("5.atomics.S.layers.0.bias", lambda p: p.add_(0.05)),
+                       ("0.atomics.C.final_layer.bias", lambda p: p.sub_(0.01))):
+        with torch.no_grad():
+            for model in (ref, fast):
+                edit(params(model)[net + name])
+        check()
+    # New storage for a parameter (what torch.nn.utils.vector_to_parameters does).
+    for model in (ref, fast):
+        p = params(model)[net + "6.atomics.N.layers.0.weight"]
+        p.data = p.data * 1.02
+    check()
+
+
 def test_hessian_matches_torchani():
     # Second derivatives through the fused networks (double backward of addmm,
     # baddbmm, CELU and the gathers).
@@ -569,7 +616,7 @@ def test_unpickling_a_module_from_an_older_version():
     ref, fast = model_pair("ANI2x", torch.float64)
     nets = fast.potentials["nnp"].neural_networks
     state = nets.__getstate__()
-    del state["native_cpu"]
+    del state["native_cpu"], state["_weights_fingerprint"]
     old = type(nets).__new__(type(nets))
     old.__setstate__(state)
     fast.potentials["nnp"].neural_networks = old

@@ -47,9 +47,14 @@ first. The CPU op's float32 panel copies (W and W^T of each hidden layer) are
 kept with the packs they come from, so the cache holds about three copies of
 the weights it uses (ANI-2x on a CHNOS protein: 103 MB, the model's own
 parameters being 55 MB). The cache is dropped by ``.to()``/``.double()``,
-``load_state_dict``, ``set_active_members`` and :meth:`FusedEnsemble.clear_cache` (call it after
-editing weights in place), and rebuilt when the parameters' dtype or device no
-longer match it.
+``load_state_dict``, ``set_active_members`` and :meth:`FusedEnsemble.clear_cache`,
+and rebuilt when the parameters' dtype or device no longer match it. Every call
+also checks the parameters (``weights_state``, one C++ pass: their version
+counters and storages), so a parameter modified in place (``copy_`` or ``mul_``
+under ``no_grad``, ``load_state_dict`` on a scripted module, an optimizer step)
+or given new storage (``p.data = t``) is seen by the next call without
+``clear_cache()``. Only writes through ``.data`` (``p.data.add_(x)``) escape
+it, as ``.data`` has a version counter of its own: call ``clear_cache()`` after them.
 
 **Training.** While any parameter requires grad the weights are packed on every
 call with differentiable ops and nothing is cached (what was cached before is
@@ -76,7 +81,6 @@ used instead (``recompute_min_bytes``, 64 MiB, applies to a CPU module with
 ``native_cpu = False``). A scripted module on another device keeps the
 activations.
 """
-import operator
 import struct
 import typing as tp
 
@@ -97,7 +101,6 @@ RECOMPUTE_CHUNK_ATOMS = 1024  # atoms per chunk: temporaries of a few MB, which 
 # GEMM: 1.4-2x faster there on the CPU (MKL splits the batch across threads).
 SMALL_GROUP_ATOMS = 256
 CELU_ALPHA = 0.1
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 # The networks op's weight arguments: (columns, first, packs, panels, layers).
 OpArgs = tp.Tuple[tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], tp.List[int]]
 
@@ -108,7 +111,7 @@ class _FusedBase(AtomicContainer):
     Not built directly: use :func:`fuse_networks` or ``FusedEnsemble.from_torchani``.
     """
 
-    __jit_ignored_attributes__ = ["_eager_cache", "_native_plans"]
+    __jit_ignored_attributes__ = ["_eager_cache", "_native_plans", "_params_watch"]
 
     is_ensemble: Final[bool]
     max_first_layer_packs: int
@@ -132,6 +135,7 @@ class _FusedBase(AtomicContainer):
     params_per_member: int
     param_offsets: tp.List[int]  # per element: index of its W1 within a member
     _jit_cache: tp.Dict[int, tp.List[Tensor]]  # the cache of a scripted module
+    _weights_fingerprint: int  # weights_state of _flat_params when the cache was last checked
 
     def _init_layout(self, aev_computer: tp.Optional[torch.nn.Module]) -> None:
         atomics = self._member_atomics()[0]
@@ -164,6 +168,7 @@ class _FusedBase(AtomicContainer):
         # Follows the parameters through .to()/.double(): the cache is checked against it.
         self.register_buffer("_probe", torch.zeros(0, dtype=w.dtype, device=w.device), persistent=False)
         self._jit_cache = {}
+        self._weights_fingerprint = -1
         self._eager_cache = {}  # the cache of the eager module (invisible to TorchScript)
         self._native_plans = {}  # eager CPU: the op's arguments per (members, groups), see _native_plan
 
@@ -242,8 +247,9 @@ class _FusedBase(AtomicContainer):
     def clear_cache(self) -> None:
         """Drop the packed weights; they are rebuilt from the parameters on the next call.
 
-        Needed after changing frozen parameters in place (``p.data`` edits,
-        ``p.copy_`` under ``no_grad``); ``load_state_dict`` and ``.to()`` clear it.
+        Needed only after writes through ``.data`` (``p.data.add_(x)``): every
+        other in-place change or new storage of a parameter is detected by the
+        next call; ``load_state_dict`` and ``.to()`` clear it.
         A scripted module saves its cache with it: clear it before ``torch.jit.save``
         to keep the file the size of TorchANI's (55 MB for ANI-2x; 140 MB after
         a CPU call on a CHNOS molecule, whose packs and panels would be saved too).
@@ -297,7 +303,7 @@ class _FusedBase(AtomicContainer):
                 return torch.ops.torchani_fast.ensemble_atomic(
                     aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k)
         ws: tp.List[tp.List[tp.List[Tensor]]] = []
-        training = self._needs_weight_grad()
+        training = self._check_weights()
         if training:
             # Differentiable packing on every call, nothing cached: exact weight
             # gradients, and an optimizer step is seen by the next call. Packs
@@ -356,7 +362,7 @@ class _FusedBase(AtomicContainer):
         packs on every call (an optimizer step changes the weights in place,
         unseen by the cache), with or without grad mode."""
         if torch.jit.is_scripting():
-            if self._needs_weight_grad():
+            if self._check_weights():
                 return None
             return self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True)
         return self._native_plan(act, group_elem, group_mask)
@@ -366,21 +372,23 @@ class _FusedBase(AtomicContainer):
                      group_mask: tp.List[int]) -> tp.Optional[OpArgs]:
         """``_native_args`` of an eager module: cached per (members, groups) (a
         call with a composition seen before costs one dict lookup here), with
-        the requires-grad check on the parameters they come from only."""
+        the weights check (``weights_state``) on the parameters they come from only."""
         key = (_bitmask(act), tuple(group_elem), tuple(group_mask))
         plan = self._native_plans.get(key)
         if plan is not None and not self._stale(plan.op_args[1][0]):
-            params = plan.params
-        else:
-            plan = None
-            per_member = self._member_weights()
-            params = [p for j in act for e in set(group_elem) for p in per_member[j][e]]
-        if any(map(_REQUIRES_GRAD, params)):
+            requires_grad, fingerprint = plan.watch.state()
+            if not requires_grad and fingerprint == plan.fingerprint:
+                return plan.op_args
+        # A new plan, or one whose parameters changed or require grad: check all
+        # of them, which drops every pack and plan if any changed since.
+        if self._check_weights():
             return None  # nothing built or cached: the weights may change in place
-        if plan is not None:
-            return plan.op_args
+        per_member = self._member_weights()
+        watch = torch.classes.torchani_fast.WeightsWatch(
+            [p for j in act for e in set(group_elem) for p in per_member[j][e]])
         with torch.inference_mode(False):  # panels usable by later calls with forces
-            plan = _NativePlan(self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True), params)
+            plan = _NativePlan(self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True),
+                               watch, watch.state()[1])
         if len(self._native_plans) >= self.max_first_layer_packs:
             self._native_plans.pop(next(iter(self._native_plans)))  # the oldest
         self._native_plans[key] = plan
@@ -735,19 +743,29 @@ class _FusedBase(AtomicContainer):
             p for atomics in self._member_atomics() for a in atomics
             for lin in _linears(a) for p in (lin.weight, lin.bias)
         ]
+        self._params_watch = torch.classes.torchani_fast.WeightsWatch(self._flat_params)
 
-    def _needs_weight_grad(self) -> bool:
-        if not torch.jit.is_scripting():
-            return self._eager_needs_weight_grad()
-        for p in self._flat_params:
-            if p.requires_grad:
-                return True
+    def _check_weights(self) -> bool:
+        """Whether a parameter requires grad (training: nothing may be cached).
+        Otherwise the cache is dropped if a parameter changed since the last
+        check: modified in place (``load_state_dict``, ``copy_``, an optimizer
+        step; their version counters), or given new storage (``p.data = t``)."""
+        if torch.jit.is_scripting():
+            requires_grad, fingerprint = torch.ops.torchani_fast.weights_state(self._flat_params)
+        else:
+            requires_grad, fingerprint = self._eager_weights_state()
+        if requires_grad:
+            return True
+        if fingerprint != self._weights_fingerprint:
+            self.clear_cache()
+            self._weights_fingerprint = fingerprint
         return False
 
     @torch.jit.unused
-    def _eager_needs_weight_grad(self) -> bool:
-        # (A C-level scan: ~20 us for ANI-2x's 448 tensors, vs ~50 us for a Python loop.)
-        return any(map(_REQUIRES_GRAD, self._flat_params))
+    def _eager_weights_state(self) -> tp.Tuple[bool, int]:
+        # (The list held in C++: ~16 us a call for ANI-2x's 448 tensors, where
+        # converting the Python list for the op costs ~45 us.)
+        return self._params_watch.state()
 
     def _member_weights(self) -> tp.List[tp.List[tp.List[Tensor]]]:
         """[member][element] -> [W1, b1, W2, b2, ...] (the live parameters)."""
@@ -779,13 +797,16 @@ class _FusedBase(AtomicContainer):
         state["_eager_cache"] = {}
         state["_native_plans"] = {}
         state["_jit_cache"] = {}
+        state["_params_watch"] = None  # a C++ object, remade by __setstate__
         return state
 
     def __setstate__(self, state):
         # Modules pickled by an older torchani_fast get the attributes added since.
         state.setdefault("native_cpu", True)
         state.setdefault("_native_plans", {})
+        state.setdefault("_weights_fingerprint", -1)
         super().__setstate__(state)
+        self._refresh_params()  # and the C++ watch over them
 
     def extra_repr(self) -> str:
         skip = "by element" if self.radial_sublen else "off"
@@ -943,7 +964,8 @@ class _NativePlan(tp.NamedTuple):
     members and groups (``_FusedBase._native_plan``)."""
 
     op_args: OpArgs  # (columns, first, packs, panels, layers), as in the op's schema
-    params: tp.List[Tensor]  # the parameters these packs come from (requires_grad check)
+    watch: tp.Any  # WeightsWatch of the parameters these packs come from
+    fingerprint: int  # its state when the packs were made
 
 
 def _per_group(args: tp.Tuple, features: int) -> tp.List:

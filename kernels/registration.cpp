@@ -18,6 +18,15 @@ struct WeightsWatch : torch::CustomClassHolder {
   std::tuple<bool, int64_t> state() const { return weights_state(params); }
   std::vector<at::Tensor> params;
 };
+
+// The weight cache of a scripted FusedEnsemble (torch.classes.torchani_fast.
+// PackCache): dict() hands out the same dict every time (c10::Dict shares its
+// storage). It pickles as empty, so torch.jit.save writes the weights only and
+// a copy or a loaded model starts with an empty cache.
+struct PackCache : torch::CustomClassHolder {
+  c10::Dict<int64_t, c10::List<at::Tensor>> dict() const { return entries; }
+  c10::Dict<int64_t, c10::List<at::Tensor>> entries;
+};
 }  // namespace torchani_fast
 
 TORCH_LIBRARY(torchani_fast, m) {
@@ -25,6 +34,11 @@ TORCH_LIBRARY(torchani_fast, m) {
   m.class_<torchani_fast::WeightsWatch>("WeightsWatch")
       .def(torch::init<std::vector<at::Tensor>>())
       .def("state", &torchani_fast::WeightsWatch::state);
+  m.class_<torchani_fast::PackCache>("PackCache")
+      .def(torch::init<>())
+      .def("dict", &torchani_fast::PackCache::dict)
+      .def_pickle([](const c10::intrusive_ptr<torchani_fast::PackCache>&) -> int64_t { return 0; },
+                  [](int64_t) { return c10::make_intrusive<torchani_fast::PackCache>(); });
   for (const char* schema :
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,

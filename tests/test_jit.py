@@ -1,4 +1,5 @@
 """TorchScript: script, save, and load in a fresh process that only imports torchani_fast."""
+import copy
 import os
 import subprocess
 import sys
@@ -46,3 +47,33 @@ def test_script_save_load_roundtrip(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK" in out.stdout
+
+
+def test_saved_and_copied_scripted_models_carry_no_cache(tmp_path):
+    # The packs and panels a call caches (about 1.5x the weights for a CHNOS
+    # molecule) are derived data: torch.jit.save and deepcopy leave them out,
+    # and a second script of the same module starts with a cache of its own.
+    ref, fast = model_pair("ANI2x", torch.float32)
+    scripted = torch.jit.script(fast)
+    fresh = tmp_path / "fresh.pt"
+    torch.jit.save(scripted, str(fresh))
+    s, x, _, _ = atoms_to_tensors(read_molecule("3o99_ligand.xyz"), torch.float32)
+    e_ref, f_ref = energy_forces(ref, s, x)
+    energy_forces(scripted, s, x)
+
+    def cache(model):
+        return model.potentials.nnp.neural_networks._jit_cache.dict()
+
+    assert len(cache(scripted)) > 0
+    cached_bytes = sum(t.numel() * t.element_size() for v in cache(scripted).values() for t in v)
+    assert cached_bytes > 50e6
+    used = tmp_path / "used.pt"
+    torch.jit.save(scripted, str(used))
+    assert used.stat().st_size < fresh.stat().st_size + 1e6
+    other = torch.jit.script(fast)
+    for model in (torch.jit.load(str(used)), copy.deepcopy(scripted), other):
+        assert len(cache(model)) == 0
+        e, f = energy_forces(model, s, x)
+        torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=0)
+        torch.testing.assert_close(f, f_ref, rtol=0, atol=5e-5)
+    assert len(cache(other)) > 0 and len(cache(scripted)) > 0

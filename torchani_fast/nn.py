@@ -134,7 +134,6 @@ class _FusedBase(AtomicContainer):
     _flat_params: tp.List[Tensor]
     params_per_member: int
     param_offsets: tp.List[int]  # per element: index of its W1 within a member
-    _jit_cache: tp.Dict[int, tp.List[Tensor]]  # the cache of a scripted module
     _weights_fingerprint: int  # weights_state of _flat_params when the cache was last checked
 
     def _init_layout(self, aev_computer: tp.Optional[torch.nn.Module]) -> None:
@@ -167,7 +166,7 @@ class _FusedBase(AtomicContainer):
         w = _linears(atomics[0])[0].weight
         # Follows the parameters through .to()/.double(): the cache is checked against it.
         self.register_buffer("_probe", torch.zeros(0, dtype=w.dtype, device=w.device), persistent=False)
-        self._jit_cache = {}
+        self._jit_cache = torch.classes.torchani_fast.PackCache()  # the cache of a scripted module
         self._weights_fingerprint = -1
         self._eager_cache = {}  # the cache of the eager module (invisible to TorchScript)
         self._native_plans = {}  # eager CPU: the op's arguments per (members, groups), see _native_plan
@@ -250,12 +249,12 @@ class _FusedBase(AtomicContainer):
         Needed only after writes through ``.data`` (``p.data.add_(x)``): every
         other in-place change or new storage of a parameter is detected by the
         next call; ``load_state_dict`` and ``.to()`` clear it.
-        A scripted module saves its cache with it: clear it before ``torch.jit.save``
-        to keep the file the size of TorchANI's (55 MB for ANI-2x; 140 MB after
-        a CPU call on a CHNOS molecule, whose packs and panels would be saved too).
+        ``torch.jit.save`` and copies never carry the cache (a scripted module
+        keeps it in a ``torch.classes.torchani_fast.PackCache``, which pickles as
+        empty): a saved ANI-2x is the size of TorchANI's file (55 MB) after any call.
         """
         if torch.jit.is_scripting():
-            self._jit_cache.clear()
+            self._jit_cache.dict().clear()
         else:
             self._eager_clear()
 
@@ -719,7 +718,7 @@ class _FusedBase(AtomicContainer):
 
     def _cache(self) -> tp.Dict[int, tp.List[Tensor]]:
         if torch.jit.is_scripting():
-            return self._jit_cache
+            return self._jit_cache.dict()
         return self._eager_cache_dict()
 
     @torch.jit.unused
@@ -796,7 +795,7 @@ class _FusedBase(AtomicContainer):
         state = self.__dict__.copy()
         state["_eager_cache"] = {}
         state["_native_plans"] = {}
-        state["_jit_cache"] = {}
+        state["_jit_cache"] = None  # a C++ object, remade by __setstate__
         state["_params_watch"] = None  # a C++ object, remade by __setstate__
         return state
 
@@ -807,6 +806,13 @@ class _FusedBase(AtomicContainer):
         state.setdefault("_weights_fingerprint", -1)
         super().__setstate__(state)
         self._refresh_params()  # and the C++ watch over them
+        self._jit_cache = torch.classes.torchani_fast.PackCache()
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule: each scripted copy
+        # gets a cache of its own instead of sharing this module's.
+        self._jit_cache = torch.classes.torchani_fast.PackCache()
+        return self
 
     def extra_repr(self) -> str:
         skip = "by element" if self.radial_sublen else "off"

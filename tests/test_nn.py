@@ -300,6 +300,21 @@ def test_weights_changed_in_place_are_seen_without_clear_cache(scripted):
         p = params(model)[net + "6.atomics.N.layers.0.weight"]
         p.data = p.data * 1.02
     check()
+    if not scripted:
+        # A new Parameter object assigned to a Linear (an eager module's own
+        # list of parameters still holds the old one), seen by the ensemble and
+        # by a model[i] view that shares the Linear.
+        species, coords = mols["2iuz_ligand.xyz"]
+        elem = fast.species_converter(species)
+        aev = fast.potentials["nnp"].aev_computer(elem, coords)
+        single = fast.potentials["nnp"].neural_networks[4]
+        single_ref = ref.potentials["nnp"].neural_networks[4]
+        assert_energies(single(elem, aev), single_ref(elem, aev), torch.float64)  # fills its cache
+        for model in (ref, fast):
+            lin = model.potentials["nnp"].neural_networks.members[4].atomics["H"].layers[0]
+            lin.weight = torch.nn.Parameter(lin.weight.detach() * 1.03, requires_grad=False)
+        check()
+        assert_energies(single(elem, aev), single_ref(elem, aev), torch.float64)
 
 
 def test_hessian_matches_torchani():

@@ -53,8 +53,12 @@ also checks the parameters (``weights_state``, one C++ pass: their version
 counters and storages), so a parameter modified in place (``copy_`` or ``mul_``
 under ``no_grad``, ``load_state_dict`` on a scripted module, an optimizer step)
 or given new storage (``p.data = t``) is seen by the next call without
-``clear_cache()``. Only writes through ``.data`` (``p.data.add_(x)``) escape
-it, as ``.data`` has a version counter of its own: call ``clear_cache()`` after them.
+``clear_cache()``; so is, in an eager module, a new Parameter assigned to one of
+the Linear layers (a parameter-registration hook flags the modules that read
+it). Only writes through ``.data`` (``p.data.add_(x)``) escape this, as
+``.data`` has a version counter of its own: call ``clear_cache()`` after them.
+A Parameter assigned to a scripted module's Linear is not seen at all (the
+scripted module keeps its own list of the parameters): script after editing.
 
 **Training.** While any parameter requires grad the weights are packed on every
 call with differentiable ops and nothing is cached (what was cached before is
@@ -83,6 +87,7 @@ activations.
 """
 import struct
 import typing as tp
+import weakref
 
 import torch
 from torch import Tensor
@@ -111,7 +116,7 @@ class _FusedBase(AtomicContainer):
     Not built directly: use :func:`fuse_networks` or ``FusedEnsemble.from_torchani``.
     """
 
-    __jit_ignored_attributes__ = ["_eager_cache", "_native_plans", "_params_watch"]
+    __jit_ignored_attributes__ = ["_eager_cache", "_native_plans", "_params_watch", "_params_replaced"]
 
     is_ensemble: Final[bool]
     max_first_layer_packs: int
@@ -372,6 +377,8 @@ class _FusedBase(AtomicContainer):
         """``_native_args`` of an eager module: cached per (members, groups) (a
         call with a composition seen before costs one dict lookup here), with
         the weights check (``weights_state``) on the parameters they come from only."""
+        if self._params_replaced:
+            self._eager_clear()
         key = (_bitmask(act), tuple(group_elem), tuple(group_mask))
         plan = self._native_plans.get(key)
         if plan is not None and not self._stale(plan.op_args[1][0]):
@@ -738,11 +745,12 @@ class _FusedBase(AtomicContainer):
     @torch.jit.unused
     def _refresh_params(self) -> None:
         # (Eager only; also picks up parameters replaced by assignment.)
-        self._flat_params = [
-            p for atomics in self._member_atomics() for a in atomics
-            for lin in _linears(a) for p in (lin.weight, lin.bias)
-        ]
+        linears = [lin for atomics in self._member_atomics() for a in atomics for lin in _linears(a)]
+        self._flat_params = [p for lin in linears for p in (lin.weight, lin.bias)]
         self._params_watch = torch.classes.torchani_fast.WeightsWatch(self._flat_params)
+        for lin in linears:
+            _PACKED_BY.setdefault(lin, weakref.WeakSet()).add(self)
+        self._params_replaced = False
 
     def _check_weights(self) -> bool:
         """Whether a parameter requires grad (training: nothing may be cached).
@@ -762,6 +770,8 @@ class _FusedBase(AtomicContainer):
 
     @torch.jit.unused
     def _eager_weights_state(self) -> tp.Tuple[bool, int]:
+        if self._params_replaced:  # a Linear got a new Parameter object: re-read them all
+            self._eager_clear()
         # (The list held in C++: ~16 us a call for ANI-2x's 448 tensors, where
         # converting the Python list for the op costs ~45 us.)
         return self._params_watch.state()
@@ -972,6 +982,22 @@ class _NativePlan(tp.NamedTuple):
     op_args: OpArgs  # (columns, first, packs, panels, layers), as in the op's schema
     watch: tp.Any  # WeightsWatch of the parameters these packs come from
     fingerprint: int  # its state when the packs were made
+
+
+# Each Linear whose parameters a fused module reads -> those modules. A
+# Parameter assigned to such a Linear (``lin.weight = Parameter(w)``) is a new
+# tensor the modules' parameter list does not hold: the hook below flags them,
+# and their next call re-reads the parameters and drops the cache. (Scripted
+# modules are not covered: assignment to them bypasses nn.Module.)
+_PACKED_BY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def _on_parameter_registered(module: torch.nn.Module, name: str, param: tp.Optional[Tensor]) -> None:
+    for fused in _PACKED_BY.get(module, ()):
+        fused._params_replaced = True
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
 
 
 def _per_group(args: tp.Tuple, features: int) -> tp.List:

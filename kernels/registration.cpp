@@ -42,7 +42,7 @@ TORCH_LIBRARY(torchani_fast, m) {
   for (const char* schema :
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
-        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kWeightsState, kGroupAtoms, kFirstInvalidAtom,
+        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kWeightsState, kGroupAtoms, kFirstInvalidAtom, kValidCell,
         kConvertSpecies}) {
     m.def(schema);
   }
@@ -65,6 +65,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("ensemble_energies", &ensemble_energies_cpu);
   m.impl("group_atoms", &group_atoms_cpu);
   m.impl("first_invalid_atom", &first_invalid_atom_cpu);
+  m.impl("valid_cell", &valid_cell_cpu);
   m.impl("convert_species", &convert_species_cpu);
 }
 

@@ -50,6 +50,7 @@ constexpr const char* kGroupAtoms =
 constexpr const char* kWeightsState =
     "weights_state(Tensor[] params) -> (bool requires_grad, int fingerprint)";
 constexpr const char* kFirstInvalidAtom = "first_invalid_atom(Tensor species, Tensor coords) -> int";
+constexpr const char* kValidCell = "valid_cell(Tensor cell, Tensor pbc) -> bool";
 constexpr const char* kConvertSpecies =
     "convert_species(Tensor atomic_nums, Tensor conv) -> (Tensor elem_idxs, int first_invalid)";
 

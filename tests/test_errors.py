@@ -146,3 +146,46 @@ def test_padding_may_carry_nan_coordinates():
     e, f = energy_forces(fast, species, nan_padding)
     torch.testing.assert_close(e, e_ref, rtol=1e-10, atol=0)
     torch.testing.assert_close(f[:, :3], f_ref[:, :3], rtol=0, atol=1e-9)
+
+
+def _valid_cell_reference(cell, pbc):
+    # validation.check_cell_pbc's rule, with torch.linalg.det in float64.
+    c = cell.double()
+    if not bool(torch.isfinite(c).all()):
+        return False
+    if not bool(pbc.any()):
+        return True
+    return abs(float(torch.linalg.det(c))) > 1e-8 * float((c ** 2).sum(1).sqrt().prod())
+
+
+def test_cell_check_op_agrees_with_the_python_rule():
+    # The CPU fast path (torchani_fast::valid_cell, cofactor determinant in
+    # float64) must accept and refuse the same cells as the worded checks.
+    gen = torch.Generator().manual_seed(0)
+    cells = [torch.eye(3) * 10, torch.tensor([[5.0, 0, 0], [10.0, 0, 0], [0, 0, 5.0]]),
+             torch.eye(3) * float("nan"), torch.eye(3) * float("inf"), torch.zeros(3, 3)]
+    for _ in range(40):
+        cells.append(torch.randn(3, 3, generator=gen, dtype=torch.float64) * 8)
+    for rel in (1e-5, 1e-6, 1e-10, 1e-12):  # a third row nearly in the plane of the first two
+        a, b = torch.randn(2, 3, generator=gen, dtype=torch.float64) * 6
+        n = torch.linalg.cross(a, b)
+        cells.append(torch.stack([a, b, 0.3 * a - 0.7 * b + rel * n / n.norm() * a.norm()]))
+    seen = set()
+    for cell in cells:
+        for dtype in (torch.float32, torch.float64):
+            for bits in range(8):
+                pbc = torch.tensor([bool(bits & 1), bool(bits & 2), bool(bits & 4)])
+                c = cell.to(dtype)
+                expected = _valid_cell_reference(c, pbc)
+                assert torch.ops.torchani_fast.valid_cell(c, pbc) == expected, (c, pbc)
+                seen.add(expected)
+    assert seen == {True, False}
+
+
+def test_near_singular_cell_is_refused(models):
+    _, fast, script = models
+    species, coords = water()
+    cell = torch.tensor([[6.0, 0, 0], [0, 6.0, 0], [3.0, 3.0, 1e-8]])
+    for m in (fast, script):
+        with pytest.raises(ERRORS, match="cell is singular"):
+            m((species, coords), cell=cell, pbc=torch.tensor([True] * 3))

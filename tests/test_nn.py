@@ -317,6 +317,23 @@ def test_weights_changed_in_place_are_seen_without_clear_cache(scripted):
         assert_energies(single(elem, aev), single_ref(elem, aev), torch.float64)
 
 
+def test_parameter_hook_ignores_other_modules():
+    # torchani_fast watches parameter registrations process-wide (for the
+    # Linears it packs); any other module, even an unhashable one, is built as usual.
+    class Unhashable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(2))
+
+        def __eq__(self, other):
+            return self is other
+
+    assert Unhashable.__hash__ is None
+    m = Unhashable()
+    m.w = torch.nn.Parameter(torch.ones(2))
+    assert float(m.w.sum()) == 2.0
+
+
 def test_hessian_matches_torchani():
     # Second derivatives through the fused networks (double backward of addmm,
     # baddbmm, CELU and the gathers).

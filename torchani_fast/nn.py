@@ -749,7 +749,7 @@ class _FusedBase(AtomicContainer):
         self._flat_params = [p for lin in linears for p in (lin.weight, lin.bias)]
         self._params_watch = torch.classes.torchani_fast.WeightsWatch(self._flat_params)
         for lin in linears:
-            _PACKED_BY.setdefault(lin, weakref.WeakSet()).add(self)
+            _watch_linear(lin, self)
         self._params_replaced = False
 
     def _check_weights(self) -> bool:
@@ -989,12 +989,30 @@ class _NativePlan(tp.NamedTuple):
 # tensor the modules' parameter list does not hold: the hook below flags them,
 # and their next call re-reads the parameters and drops the cache. (Scripted
 # modules are not covered: assignment to them bypasses nn.Module.)
-_PACKED_BY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+# Keyed by id(): the hook sees every module built in the process, and hashing
+# one could fail (a subclass defining __eq__ only is unhashable).
+_PACKED_BY: tp.Dict[int, tp.Tuple["weakref.ref", "weakref.WeakSet"]] = {}
+
+
+def _watch_linear(lin: torch.nn.Module, fused: torch.nn.Module) -> None:
+    key = id(lin)
+    entry = _PACKED_BY.get(key)
+    if entry is None or entry[0]() is not lin:
+
+        def forget(ref: "weakref.ref", key: int = key) -> None:
+            if _PACKED_BY.get(key, (None,))[0] is ref:
+                del _PACKED_BY[key]
+
+        entry = (weakref.ref(lin, forget), weakref.WeakSet())
+        _PACKED_BY[key] = entry
+    entry[1].add(fused)
 
 
 def _on_parameter_registered(module: torch.nn.Module, name: str, param: tp.Optional[Tensor]) -> None:
-    for fused in _PACKED_BY.get(module, ()):
-        fused._params_replaced = True
+    entry = _PACKED_BY.get(id(module))
+    if entry is not None and entry[0]() is module:
+        for fused in entry[1]:
+            fused._params_replaced = True
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)

@@ -18,10 +18,26 @@ struct Axis {
   int periodic;
 };
 
+// det(C) for the row-major 3x3 C.
+TF_HOST_DEVICE inline double cell_determinant(const double* C) {
+  return C[0] * (C[4] * C[8] - C[5] * C[7]) - C[1] * (C[3] * C[8] - C[5] * C[6]) +
+         C[2] * (C[3] * C[7] - C[4] * C[6]);
+}
+
+// The one test of a usable cell, for every backend and for the input checks
+// (validation.py words its error): det(C) finite and |det(C)| > 1e-8 times the
+// product of the rows' lengths (scale-free: 1e-8 of a cube's volume).
+TF_HOST_DEVICE inline bool singular_cell(const double* C, double det) {
+  double scale = 1.0;
+  for (int r = 0; r < 3; ++r)
+    scale *= sqrt(C[3 * r] * C[3 * r] + C[3 * r + 1] * C[3 * r + 1] + C[3 * r + 2] * C[3 * r + 2]);
+  const double size = fabs(det);  // NaN and inf fail one of the comparisons
+  return !(size > 1e-8 * scale && size <= 1.7976931348623157e308);
+}
+
 // inv = C^-1 for the row-major 3x3 C (x = f @ C, f = x @ inv); returns det(C).
 TF_HOST_DEVICE inline double invert_cell(const double* C, double* inv) {
-  const double det = C[0] * (C[4] * C[8] - C[5] * C[7]) - C[1] * (C[3] * C[8] - C[5] * C[6]) +
-                     C[2] * (C[3] * C[7] - C[4] * C[6]);
+  const double det = cell_determinant(C);
   inv[0] = (C[4] * C[8] - C[5] * C[7]) / det;
   inv[1] = (C[2] * C[7] - C[1] * C[8]) / det;
   inv[2] = (C[1] * C[5] - C[2] * C[4]) / det;

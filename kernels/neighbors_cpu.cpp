@@ -304,22 +304,31 @@ void check_neighbor_inputs(const char* op, const at::Tensor& species, const at::
 }
 
 namespace {
+// The (3, 3) cell, any float dtype and strides, into C (row-major double): no
+// ATen op.
+void read_cell(const at::Tensor& cell, double* C) {
+  AT_DISPATCH_FLOATING_TYPES(cell.scalar_type(), "read_cell", [&] {
+    const auto c = cell.accessor<scalar_t, 2>();
+    for (int i = 0; i < 3; ++i)
+      for (int j = 0; j < 3; ++j) C[3 * i + j] = static_cast<double>(c[i][j]);
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor> search_cpu(const char* op, const at::Tensor& species,
                                               const at::Tensor& coords,
                                               const c10::optional<at::Tensor>& cell,
                                               const c10::optional<at::Tensor>& pbc, double cutoff,
                                               bool cell_list) {
   check_neighbor_inputs(op, species, coords, cell, pbc, cutoff);
-  at::Tensor cell_d;
+  double cell_d[9];
   bool pbc_h[3] = {false, false, false};
   if (cell.has_value()) {
-    cell_d = cell->detach().to(at::kDouble).contiguous();
+    read_cell(*cell, cell_d);
     auto pbc_c = pbc->contiguous();
     for (int a = 0; a < 3; ++a) pbc_h[a] = pbc_c.data_ptr<bool>()[a];
-    const double det = at::linalg_det(cell_d).item<double>();
-    const double vol_scale = at::linalg_vector_norm(cell_d, 2, {1}).prod().item<double>();
-    TORCH_CHECK(std::isfinite(det) && std::abs(det) > 1e-8 * vol_scale, op,
-                ": cell is singular (determinant ", det, "), got cell ", cell_d);
+    const double det = neighbors::cell_determinant(cell_d);
+    TORCH_CHECK(!neighbors::singular_cell(cell_d, det), op, ": cell is singular (determinant ",
+                det, "), got cell ", *cell);
   }
   auto sp = species.to(at::kLong).contiguous();
   auto x = coords.detach().contiguous();
@@ -329,13 +338,27 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const char* op, const at::Tensor& 
     std::vector<std::vector<int64_t>> found;
     std::vector<int64_t> count;
     neighbors_impl<scalar_t>(sp.data_ptr<int64_t>(), x.data_ptr<scalar_t>(), M, A,
-                             cell.has_value() ? cell_d.data_ptr<double>() : nullptr, pbc_h,
+                             cell.has_value() ? cell_d : nullptr, pbc_h,
                              cutoff, cell_list, found, count);
     write_pairs<scalar_t>(found, count, pairs, images, sp.options(), x.options());
   });
   return {pairs, images};
 }
 }  // namespace
+
+bool valid_cell_cpu(const at::Tensor& cell, const at::Tensor& pbc) {
+  TORCH_CHECK(cell.dim() == 2 && cell.size(0) == 3 && cell.size(1) == 3,
+              "valid_cell: cell must be (3, 3), got ", cell.sizes());
+  TORCH_CHECK(pbc.numel() == 3 && pbc.scalar_type() == at::kBool,
+              "valid_cell: pbc must be 3 bools, got ", pbc.sizes(), " ", pbc.scalar_type());
+  double C[9];
+  read_cell(cell, C);
+  for (double v : C)
+    if (!std::isfinite(v)) return false;
+  const at::Tensor p = pbc.contiguous();
+  const bool* pp = p.data_ptr<bool>();
+  return !(pp[0] || pp[1] || pp[2]) || !neighbors::singular_cell(C, neighbors::cell_determinant(C));
+}
 
 std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
     const at::Tensor& species, const at::Tensor& coords,

@@ -74,10 +74,7 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
     if (cell != nullptr) {
       for (int k = 0; k < 9; ++k) C[k] = cell[k];
       const double det = neighbors::invert_cell(C, inv);
-      double scale = 1.0;
-      for (int r = 0; r < 3; ++r)
-        scale *= sqrt(C[3 * r] * C[3 * r] + C[3 * r + 1] * C[3 * r + 1] + C[3 * r + 2] * C[3 * r + 2]);
-      singular = !(isfinite(det) && fabs(det) > 1e-8 * scale);
+      singular = neighbors::singular_cell(C, det);
       if (singular && m == 0) {
         atomic_or_i64(err, kErrSingular);
         err[2] = __double_as_longlong(det);

@@ -308,9 +308,9 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
 // reading its last entry) and the flat index of the first atomic number that
 // is out of the table or unsupported (-1 if none; the output is then unset).
 int64_t first_invalid_atom_cpu(const at::Tensor& species, const at::Tensor& coords);
-// valid_cell: cell (3, 3) finite and, if any pbc, not singular: |det| > 1e-8
-// times the product of its rows' lengths (in float64), the test
-// validation.check_cell_pbc words the error of.
+// valid_cell (neighbors_cpu.cpp): cell (3, 3) finite and, if any pbc, not
+// singular by the neighbour search's own test (neighbors::singular_cell), the
+// test validation.check_cell_pbc words the error of.
 bool valid_cell_cpu(const at::Tensor& cell, const at::Tensor& pbc);
 std::tuple<at::Tensor, int64_t> convert_species_cpu(const at::Tensor& atomic_nums,
                                                     const at::Tensor& conv);

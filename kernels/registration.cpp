@@ -42,8 +42,8 @@ TORCH_LIBRARY(torchani_fast, m) {
   for (const char* schema :
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
-        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kWeightsState, kGroupAtoms, kFirstInvalidAtom, kValidCell,
-        kConvertSpecies}) {
+        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kWeightsState, kGroupAtoms,
+        kFirstInvalidAtom, kValidCell, kConvertSpecies}) {
     m.def(schema);
   }
 }

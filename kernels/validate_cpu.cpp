@@ -38,30 +38,6 @@ int64_t first_invalid_atom_cpu(const at::Tensor& species, const at::Tensor& coor
   return bad;
 }
 
-bool valid_cell_cpu(const at::Tensor& cell, const at::Tensor& pbc) {
-  TORCH_CHECK(cell.dim() == 2 && cell.size(0) == 3 && cell.size(1) == 3,
-              "valid_cell: cell must be (3, 3), got ", cell.sizes());
-  TORCH_CHECK(pbc.numel() == 3 && pbc.scalar_type() == at::kBool,
-              "valid_cell: pbc must be 3 bools, got ", pbc.sizes(), " ", pbc.scalar_type());
-  double m[9];
-  AT_DISPATCH_FLOATING_TYPES(cell.scalar_type(), "valid_cell", [&] {
-    const auto c = cell.accessor<scalar_t, 2>();
-    for (int i = 0; i < 3; ++i)
-      for (int j = 0; j < 3; ++j) m[3 * i + j] = static_cast<double>(c[i][j]);
-  });
-  for (double v : m)
-    if (!std::isfinite(v)) return false;
-  const at::Tensor p = pbc.contiguous();
-  const bool* pp = p.data_ptr<bool>();
-  if (!(pp[0] || pp[1] || pp[2])) return true;
-  const double det = m[0] * (m[4] * m[8] - m[5] * m[7]) - m[1] * (m[3] * m[8] - m[5] * m[6]) +
-                     m[2] * (m[3] * m[7] - m[4] * m[6]);
-  double scale = 1;
-  for (int i = 0; i < 3; ++i)
-    scale *= std::sqrt(m[3 * i] * m[3 * i] + m[3 * i + 1] * m[3 * i + 1] + m[3 * i + 2] * m[3 * i + 2]);
-  return std::abs(det) > 1e-8 * scale;
-}
-
 std::tuple<at::Tensor, int64_t> convert_species_cpu(const at::Tensor& atomic_nums,
                                                     const at::Tensor& conv) {
   TORCH_CHECK(atomic_nums.scalar_type() == at::kLong || atomic_nums.scalar_type() == at::kInt,

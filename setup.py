@@ -8,6 +8,7 @@ Environment switches:
 """
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
@@ -29,6 +30,15 @@ def _use_cuda() -> bool:
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
+# Toolchains that link libstdc++ statically into shared objects (the GPU
+# machines' /opt/gcc does) put a second copy of it into _C.so. Its symbols must
+# stay private to _C.so: exported, some of them bind to the process's own
+# libstdc++ and others do not, and formatting a number into an error message
+# then crashes (std::locale facet ids of one copy used with the other's locale).
+# With a shared libstdc++, as usual, this flag changes nothing.
+LINK_ARGS = ["-fopenmp"] + (["-Wl,--exclude-libs,ALL"] if sys.platform.startswith("linux") else [])
+
+
 def _extension():
     debug = os.environ.get("DEBUG", "0") == "1"
     cxx = ["-O0", "-g"] if debug else ["-O3"]
@@ -37,7 +47,7 @@ def _extension():
     if not _use_cuda():
         return cpp_extension.CppExtension(
             "torchani_fast._C", sources, extra_compile_args={"cxx": cxx},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=LINK_ARGS,
         )
     if "TORCH_CUDA_ARCH_LIST" not in os.environ:
         import torch
@@ -53,7 +63,7 @@ def _extension():
         "torchani_fast._C",
         sources + sorted(glob.glob(os.path.join("kernels", "*.cu"))),
         extra_compile_args={"cxx": cxx + ["-DTORCHANI_FAST_CUDA"], "nvcc": nvcc},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=LINK_ARGS,
     )
 
 

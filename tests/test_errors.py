@@ -189,3 +189,27 @@ def test_near_singular_cell_is_refused(models):
     for m in (fast, script):
         with pytest.raises(ERRORS, match="cell is singular"):
             m((species, coords), cell=cell, pbc=torch.tensor([True] * 3))
+
+
+def test_cxx_op_messages_carry_their_numbers():
+    """The C++ ops format the offending values into their messages.
+
+    A toolchain that links libstdc++ statically into the extension (the GPU
+    machines' /opt/gcc) once gave "cutoff must be positive, got " with the
+    number missing on the CPU, and a segfault formatting a double in the CUDA
+    neighbour search: setup.py keeps that copy private (--exclude-libs).
+    """
+    from torchani_fast import ops
+
+    species = torch.zeros(1, 2, dtype=torch.long)
+    coords = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"cutoff must be positive, got -1\.5$"):
+        ops.neighbor_pairs(species, coords, None, None, -1.5, False)
+    bad = coords.clone()
+    bad[0, 1, 2] = float("nan")
+    with pytest.raises(RuntimeError, match=r"coords must be finite, got \(1, 0, nan\) for atom 1 "
+                                           r"of molecule 0"):
+        ops.neighbor_pairs(species, bad, None, None, 5.2, False)
+    cell = torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 0.0], [4.0, 6.0, 0.0]], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"cell is singular \(determinant 0\), got cell"):
+        ops.neighbor_pairs(species, coords, cell, torch.ones(3, dtype=torch.bool), 5.2, False)

@@ -82,6 +82,14 @@ TF_HOST_DEVICE inline void limit_bins(double* nb, double max_bins) {
   }
 }
 
+// Limits of the search around one atom: at most kMaxReach bins (or periodic
+// images) along one lattice vector and kMaxVisits bins in all, the product of
+// (2 reach + 1) over the axes. Only a cell much smaller than the cutoff comes
+// near them (a 0.2 A cube with a 5.2 A cutoff visits 55^3 = 166 375 images);
+// beyond them the search would run for hours, so the ops refuse the cell.
+constexpr double kMaxReach = 1e5;
+constexpr double kMaxVisits = 1e6;
+
 // The (3-D) bin coordinates own[] of the flat bin index b.
 TF_HOST_DEVICE inline void split_bin(int64_t b, const Axis* axis, int64_t* own) {
   for (int a = 2; a >= 0; --a) {

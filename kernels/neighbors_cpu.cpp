@@ -172,6 +172,7 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
         mol.axis[a].nb = static_cast<int64_t>(nb[a]);
         nbins *= mol.axis[a].nb;
       }
+      double visits = 1;
       for (int a = 0; a < 3; ++a) {
         Axis& ax = mol.axis[a];
         const double extent = ax.periodic ? 1.0 : hi[a] - lo[a];
@@ -180,10 +181,16 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
         ax.width = extent > 0 ? std::max(extent / ax.nb, span[a] * 1e-6) : 1.0;
         double reach = std::floor(span[a] / ax.width) + 1;
         if (!ax.periodic) reach = std::min(reach, static_cast<double>(ax.nb - 1));
-        TORCH_CHECK(reach <= 1e5, "torchani_fast::neighbor_pairs: the cell is too thin along lattice vector ",
+        TORCH_CHECK(reach <= neighbors::kMaxReach,
+                    "torchani_fast::neighbor_pairs: the cell is too thin along lattice vector ",
                     a, " (", reach, " periodic images within the cutoff)");
         ax.reach = static_cast<int64_t>(reach);
+        visits *= 2 * reach + 1;
       }
+      TORCH_CHECK(visits <= neighbors::kMaxVisits,
+                  "torchani_fast::neighbor_pairs: the cell is too small for the cutoff: the "
+                  "search around each atom would visit ", visits,
+                  " periodic images or bins (at most 1e6)");
       mol.bin_start.assign(nbins + 1, 0);
       for (int64_t i = m * A; i < (m + 1) * A; ++i) {
         if (species[i] < 0) continue;

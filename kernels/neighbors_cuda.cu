@@ -151,6 +151,7 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
       neighbors::limit_bins(nb, max_bins);
       for (int a = 0; a < 3; ++a) grid.axis[a].nb = static_cast<int64_t>(nb[a]);
       bool thin = false;
+      double visits = 1;
       for (int a = 0; a < 3; ++a) {
         Axis& ax = grid.axis[a];
         const double extent = ax.periodic ? 1.0 : red_hi[a][0] - red_lo[a][0];
@@ -159,9 +160,11 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
         ax.width = extent > 0 ? fmax(extent / ax.nb, span[a] * 1e-6) : 1.0;
         double reach = floor(span[a] / ax.width) + 1;
         if (!ax.periodic) reach = fmin(reach, static_cast<double>(ax.nb - 1));
-        thin = thin || !(reach <= 1e5);
+        thin = thin || !(reach <= neighbors::kMaxReach);
         ax.reach = thin ? 0 : static_cast<int64_t>(reach);
+        visits *= 2 * reach + 1;
       }
+      thin = thin || !(visits <= neighbors::kMaxVisits);
       if (thin) {  // the CPU raises; here: flag it and search nothing
         atomic_or_i64(err, kErrThinCell);
         for (int a = 0; a < 3; ++a) grid.axis[a] = Axis{1, 0, 0.0, 1.0, 0};
@@ -485,8 +488,8 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cuda(const at::Tensor& species
                 ") for atom ", i % s.A, " of molecule ", i / s.A);
   }
   TORCH_CHECK(!(flags & kErrThinCell), op,
-              ": the cell is too thin along a lattice vector (more than 1e5 periodic images "
-              "within the cutoff)");
+              ": the cell is too small for the cutoff: the search around each atom would visit "
+              "more than 1e6 periodic images or bins (or 1e5 along one lattice vector)");
   auto pairs = at::empty({2, total}, s.species.options());
   auto images = at::empty({total, 3}, s.coords.options());
   if (total > 0) launch_write(s, total, pairs, images, nullptr);

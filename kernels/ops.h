@@ -72,8 +72,8 @@ void check_neighbor_inputs(const char* op, const at::Tensor& species, const at::
 // pairs beyond the capacity were dropped). Output shapes depend only on input
 // shapes and on CUDA nothing is read back, so a CUDA graph can capture it.
 // Errors: the CPU raises; CUDA cannot without a sync, so num_pairs = -1 means
-// non-finite coordinates, -2 a singular cell and -3 a cell too thin for the
-// cutoff (and no pairs are returned).
+// non-finite coordinates, -2 a singular cell and -3 a cell too small for the
+// cutoff (neighbors::kMaxVisits; no pairs are returned).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_cpu(
     const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
     const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs);

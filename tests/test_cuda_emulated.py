@@ -73,6 +73,11 @@ def test_neighbor_errors(emu):
         emu.neighbor_pairs(species, coords, singular, pbc, CUTOFF, True)
     _, _, num = emu.neighbor_pairs_padded(species, coords, singular, pbc, CUTOFF, True, 50)
     assert int(num) == -2
+    tiny = torch.eye(3, dtype=torch.float64) * 1e-3
+    with pytest.raises(RuntimeError, match="cell is too small for the cutoff"):
+        emu.neighbor_pairs(species, coords, tiny, pbc, CUTOFF, False)
+    _, _, num = emu.neighbor_pairs_padded(species, coords, tiny, pbc, CUTOFF, True, 50)
+    assert int(num) == -3
     empty = emu.neighbor_pairs(species[:, :0], coords[:, :0], None, None, CUTOFF, True)
     assert empty[0].shape == (2, 0)
 

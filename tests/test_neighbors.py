@@ -9,6 +9,7 @@ and distances pair by pair.
 import copy
 import itertools
 import math
+import time
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import torchani_fast
 from torchani_fast import ops
 from torchani_fast.aev import CELL_LIST_MIN_ATOMS, NeighborList
 
-from conftest import atoms_to_tensors, energy_forces, read_molecule, reference_model
+from conftest import atoms_to_tensors, energy_forces, model_pair, read_molecule, reference_model
 
 CUTOFF = 5.1
 # Pairs this close to the cutoff may be kept by one method and not the other
@@ -441,6 +442,40 @@ def test_errors_name_the_problem():
         ops.neighbor_pairs(species, bad, None, None, CUTOFF, True)
     with pytest.raises(RuntimeError, match="cutoff"):
         ops.neighbor_pairs(species, coords, None, None, -1.0, True)
+
+
+@pytest.mark.parametrize("cell_list", [False, True])
+def test_cell_far_smaller_than_the_cutoff_is_refused_at_once(cell_list):
+    # A 1e-4 A cube with a 5.2 A cutoff: 52 000 images along each vector, 1e14
+    # in all. The search used to accept it (each axis below 1e5) and ran for
+    # hours; it refuses it now, and a patched model passes the error on.
+    species = torch.zeros(1, 2, dtype=torch.long)
+    coords = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]], dtype=torch.float64)
+    tiny = torch.eye(3, dtype=torch.float64) * 1e-4
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"cell is too small for the cutoff: the search around "
+                                           r"each atom would visit 1\.\d+e\+15 periodic images"):
+        ops.neighbor_pairs(species, coords, tiny, ALL, CUTOFF, cell_list)
+    with pytest.raises(RuntimeError, match="cell is too small for the cutoff"):
+        ops.neighbor_pairs_padded(species, coords, tiny, ALL, CUTOFF, cell_list, 100)
+    assert time.perf_counter() - t0 < 5
+    # Below the limit: a 0.5 A cube (23^3 images visited) gives every image pair.
+    small = torch.eye(3, dtype=torch.float64) * 0.5
+    pairs, _ = ops.neighbor_pairs(species[:, :1], coords[:, :1], small, ALL, CUTOFF, cell_list)
+    k = np.arange(-11, 12)
+    n = np.stack(np.meshgrid(k, k, k), -1).reshape(-1, 3)
+    r = np.linalg.norm(n * 0.5, axis=1)
+    assert pairs.shape[1] == ((r > 0) & (r <= CUTOFF)).sum() // 2
+
+
+def test_model_refuses_a_cell_far_smaller_than_the_cutoff():
+    _, fast = model_pair("ANI2x", torch.float64)
+    species = torch.tensor([[8, 1, 1]])
+    coords = torch.tensor([[[0.0, 0.0, 0.1], [0.0, 0.75, -0.47], [0.0, -0.75, -0.47]]],
+                          dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="cell is too small for the cutoff"):
+        fast((species, coords), cell=torch.eye(3, dtype=torch.float64) * 0.01,
+             pbc=torch.ones(3, dtype=torch.bool))
 
 
 # ----------------------------------------------------------------------------- energies

@@ -88,7 +88,7 @@ def neighbor_pairs_padded(
         overflowed and the pairs beyond the capacity were dropped. On CUDA an
         invalid input that the CPU would raise for is reported here instead:
         -1 for non-finite coordinates, -2 for a singular cell, -3 for a cell
-        too thin for the cutoff (no pairs then).
+        too small for the cutoff (no pairs then).
     """
     return torch.ops.torchani_fast.neighbor_pairs_padded(
         species, coords, cell, pbc, cutoff, cell_list, max_pairs
@@ -108,8 +108,9 @@ def check_num_pairs(num_pairs: Tensor, max_pairs: int) -> int:
     if n == -2:
         raise RuntimeError("torchani_fast::neighbor_pairs_padded: cell is singular")
     if n == -3:
-        raise RuntimeError("torchani_fast::neighbor_pairs_padded: the cell is too thin along "
-                           "a lattice vector (more than 1e5 periodic images within the cutoff)")
+        raise RuntimeError("torchani_fast::neighbor_pairs_padded: the cell is too small for the "
+                           "cutoff: the search around each atom would visit more than 1e6 "
+                           "periodic images or bins (or 1e5 along one lattice vector)")
     if n > max_pairs:
         raise RuntimeError(
             "torchani_fast::neighbor_pairs_padded: " + str(n) + " pairs do not fit in "

@@ -167,12 +167,14 @@ __global__ void forward_kernel(Params<scalar_t> k, int64_t N, int G,
           out[s] += scalar_t(0.25) * cuda::dexp(-c.eta_r[s] * x * x) * fc;
         }
       }
-      int64_t t = 0;
-      for (int64_t j = 0; j < na; ++j) {
+      // Triple t (j < l, row-major) belongs to warp t % G: row j starts at
+      // triple t0, so this warp's first l in it is j + 1 + (g - t0) mod G.
+      int first_l = 1 + g;  // for row 0 (t0 = 0)
+      for (int j = 0; j < na; ++j) {
         const scalar_t* e1 = data + kEdgeFields * (e0 + j);
         const int32_t s1 = nspec[e0 + j];
-        for (int64_t l = j + 1; l < na; ++l, ++t) {
-          if (t % G != g) continue;
+        int l = first_l;
+        for (; l < na; l += G) {
           const scalar_t* e2 = data + kEdgeFields * (e0 + l);
           const Triple<scalar_t> tr(e1, e2);
           const scalar_t fcc = e1[kFcA] * e2[kFcA];
@@ -188,6 +190,7 @@ __global__ void forward_kernel(Params<scalar_t> k, int64_t N, int G,
             out[f] += f2 * f1;
           }
         }
+        first_l = j + 2 + (l - na);  // the overshoot carries into the next rows
       }
     }
     __syncthreads();
@@ -256,13 +259,14 @@ __global__ void backward_kernel(Params<scalar_t> k, int64_t N, int G, int64_t E,
         // Coincident atoms: the direction is undefined, no gradient.
         if (r > scalar_t(0) && lane < 3) ge[3 * (e0 + q) + lane] += dr * e[kVx + lane] / r;
       }
-      int64_t t = 0;
-      for (int64_t j = 0; j < na; ++j) {
+      // The triples of this warp, as in forward_kernel.
+      int first_l = 1 + g;
+      for (int j = 0; j < na; ++j) {
         const scalar_t* e1 = data + kEdgeFields * (e0 + j);
         const int32_t s1 = nspec[e0 + j];
         scalar_t acc0 = 0, acc1 = 0, acc2 = 0;  // gradient of half edge j
-        for (int64_t l = j + 1; l < na; ++l, ++t) {
-          if (t % G != g) continue;
+        int l = first_l;
+        for (; l < na; l += G) {
           const scalar_t* e2 = data + kEdgeFields * (e0 + l);
           const Triple<scalar_t> tr(e1, e2);
           const scalar_t* gs = grow + k.radial_len + pair_index(s1, nspec[e0 + l], k.S) * k.AZ;
@@ -317,6 +321,7 @@ __global__ void backward_kernel(Params<scalar_t> k, int64_t N, int G, int64_t E,
           if (lane < 3) ge[3 * (e0 + l) + lane] += lane == 0 ? g2[0] : lane == 1 ? g2[1] : g2[2];
         }
         if (lane < 3) ge[3 * (e0 + j) + lane] += lane == 0 ? acc0 : lane == 1 ? acc1 : acc2;
+        first_l = j + 2 + (l - na);
       }
     }
     __syncthreads();

@@ -8,6 +8,13 @@
 #   3. runs tests/test_cuda.py,
 #   4. runs benchmarks/benchmark_gpu.py (TorchANI vs torchani_fast, 46 atoms to
 #      100k atoms, with and without CUDA graphs),
+#   5. profiles one call (benchmarks/profile_gpu.py),
+#   6. runs compute-sanitizer memcheck over a few kernel tests while time is left
+#      (DEADLINE seconds after the start, default 380),
+# STAGES picks among "tests benchmark profile memcheck" (default: all);
+# REUSE_BUILD=1 keeps a torchani_fast/_C*.so carried from an earlier call
+# (the .so that step 2 leaves in $OUT) instead of building; PROFILE_SIZES and
+# PROFILE_TORCHANI=1 (profile TorchANI's path too) set up step 5;
 # writing everything under $OUT (default ./gpu_check_out). Sized for < 8 minutes
 # on an H200 with 16 cores. Run from the repository root:
 #   bash benchmarks/gpu_check.sh
@@ -38,8 +45,8 @@ $PY -c "import torchani; print('torchani', torchani.__version__)" || exit 1
 ARCH=$($PY -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}.{n}')")
 elapsed "2. builds for sm $ARCH ($JOBS jobs)"
 # TorchANI's cuaev: the same sources and flags as `ani build-extensions`, cuaev only
-# (mnp and cell_list are not needed by the benchmark).
-( cd /tmp && TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=4 $PY - <<'EOF'
+# (mnp and cell_list are not needed by the benchmark). Only the benchmark waits for it.
+( cd /tmp && TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=4 $PY - <<'EOF2'
 import os
 from pathlib import Path
 import torch, torchani
@@ -54,26 +61,70 @@ load(name="cuaev", sources=[str(src / "cuaev.cpp"), str(src / "aev.cu")],
                         "-DCUB_NS_PREFIX='namespace cuaev {'", "-DCUB_NS_POSTFIX=}",
                         "-DTORCHANI_OPT", "-use_fast_math"])
 print("cuaev built in", out)
-EOF
-) > "$OUT/cuaev_build.log" 2>&1 &
+EOF2
+) > /tmp/cuaev_build.log 2>&1 &
 CUAEV_PID=$!
-rm -f torchani_fast/_C*.so
-TORCHANI_FAST_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=$JOBS \
-  $PY setup.py -q build_ext --inplace > "$OUT/torchani_fast_build.log" 2>&1
-BUILD_RC=$?
-elapsed "torchani_fast build rc=$BUILD_RC"
-if [ $BUILD_RC -ne 0 ]; then grep -E "error" -A3 "$OUT/torchani_fast_build.log" | head -60; fi
+if [ "${REUSE_BUILD:-0}" = 1 ] && ls torchani_fast/_C*.so > /dev/null 2>&1; then
+  elapsed "torchani_fast: REUSE_BUILD=1, using the carried $(ls torchani_fast/_C*.so)"
+else
+  rm -f torchani_fast/_C*.so
+  TORCHANI_FAST_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=$JOBS \
+    timeout 400 $PY setup.py -q build_ext --inplace > "$OUT/torchani_fast_build.log" 2>&1
+  BUILD_RC=$?
+  elapsed "torchani_fast build rc=$BUILD_RC"
+  if [ $BUILD_RC -ne 0 ]; then grep -E "error" -A3 "$OUT/torchani_fast_build.log" | head -60; exit 1; fi
+fi
+STAGES=${STAGES:-tests benchmark profile memcheck}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+# libstdc++ linked statically (/opt/gcc on the GPU machines) must not be
+# exported from _C.so (setup.py): count the std:: symbols it exports.
+echo "std:: symbols exported by _C.so: $(nm -D --defined-only torchani_fast/_C*.so | grep -c ' _ZNS\| _ZSt')"
+# The built extension comes back (debug info stripped) so that a second call can
+# carry it instead of building again.
+for so in torchani_fast/_C*.so; do strip --strip-debug -o "$OUT/$(basename "$so")" "$so"; done
+ls -la "$OUT"
+
+if has tests; then
+  elapsed "3. tests/test_cuda.py"
+  timeout 200 $PY -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider --tb=short \
+    --durations=8 2>&1 | tail -150
+  elapsed "tests rc=$?"
+fi
+
 wait $CUAEV_PID
 elapsed "cuaev build rc=$? (the benchmark falls back to pyaev without it)"
-tail -3 "$OUT/cuaev_build.log"
-[ $BUILD_RC -eq 0 ] || exit 1
+tail -3 /tmp/cuaev_build.log
 
-elapsed "3. tests/test_cuda.py"
-timeout 240 $PY -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider \
-  --junitxml="$OUT/test_cuda.xml" 2>&1 | tail -40
-elapsed "tests rc=$?"
+if has benchmark; then
+  elapsed "4. benchmark"
+  timeout 150 $PY benchmarks/benchmark_gpu.py --out "$OUT"
+  elapsed "benchmark rc=$?"
+fi
 
-elapsed "4. benchmark"
-timeout 240 $PY benchmarks/benchmark_gpu.py --out "$OUT"
-elapsed "benchmark rc=$?"
+if has profile; then
+  elapsed "5. profile"
+  timeout 90 $PY benchmarks/profile_gpu.py --sizes "${PROFILE_SIZES:-46,10000}" \
+    ${PROFILE_TORCHANI:+--torchani} --out "$OUT/profile_gpu.txt"
+  elapsed "profile rc=$?"
+  head -c 1500 "$OUT/profile_gpu.txt"
+fi
+
+# 6. compute-sanitizer memcheck over a few kernels' tests, as far as the time allows
+#    (caching allocator off, so out-of-bounds accesses hit unallocated memory).
+LEFT=$(( ${DEADLINE:-380} - ($(date +%s) - T0) ))
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+if ! has memcheck; then
+  :
+elif [ -n "$SAN" ] && [ $LEFT -gt 40 ]; then
+  elapsed "6. memcheck ($LEFT s left)"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(( LEFT - 10 )) "$SAN" --tool memcheck \
+    --print-limit 20 --log-file "$OUT/memcheck.log" $PY -m pytest tests/test_cuda.py -q -x \
+    -p no:cacheprovider -k "(neighbor_pairs_cuda_matches_cpu and tiny_cell) or \
+(aev_cuda_matches_cpu and (tiny_cell or padded)) or (second_derivative and tiny_cell) or \
+(energy_forces_cuda_vs_torchani and triclinic) or all_launch_shapes or neighbor_errors" 2>&1 | tail -15
+  elapsed "memcheck rc=$?"
+  tail -5 "$OUT/memcheck.log"
+else
+  elapsed "6. memcheck skipped (sanitizer: '${SAN}', $LEFT s left)"
+fi
 elapsed "done"

@@ -681,3 +681,33 @@ def test_many_compositions_and_member_sets_with_evictions():
         torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-9)
         assert len(nets._native_plans) <= nets.max_first_layer_packs
     assert len(compositions) > 2 * nets.max_first_layer_packs  # so entries were evicted
+
+
+def test_gpu_activation_budget_follows_the_device(monkeypatch):
+    # Default (-1): an eighth of the device's memory, asked once per device; an
+    # explicit value (0 forces the recomputation) wins; 1 GiB where torch does
+    # not report the memory. Runs without a GPU (the device query is replaced).
+    _, fast = model_pair("ANI2x", torch.float32)
+    nets = fast.potentials["nnp"].neural_networks
+    asked = []
+
+    class Props:
+        total_memory = 16 * 2**30
+
+    def props(index):
+        asked.append(index)
+        return Props()
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torchani_fast.nn, "_DEVICE_BUDGETS", {})
+    assert nets.recompute_min_bytes_gpu == -1
+    for _ in range(2):
+        assert nets._gpu_budget(torch.device("cuda", 1)) == 2 * 2**30
+    assert asked == [1]
+    assert nets._gpu_budget(torch.device("mps")) == 2**30
+    nets.recompute_min_bytes_gpu = 0
+    assert nets._gpu_budget(torch.device("cuda", 1)) == 0
+    nets.recompute_min_bytes_gpu = 5
+    assert nets._gpu_budget(torch.device("cuda", 1)) == 5
+    # The scripted module compiles with the eager-only budget in it.
+    torch.jit.script(fast)

@@ -80,9 +80,12 @@ Any other (per-member values, QBCs, ``create_graph=True``) recomputes the
 activations a chunk of atoms at a time with differentiable ATen ops, so it
 can be differentiated again (Hessians). On other devices autograd keeps every
 layer's pre-activation: about 19 kB per atom for ANI-2x (8 members); when that
-exceeds ``recompute_min_bytes_gpu`` (1 GiB) the same chunked recomputation is
-used instead (``recompute_min_bytes``, 64 MiB, applies to a CPU module with
-``native_cpu = False``). A scripted module on another device keeps the
+exceeds ``recompute_min_bytes_gpu`` the same chunked recomputation is used
+instead (``recompute_min_bytes``, 64 MiB, applies to a CPU module with
+``native_cpu = False``). ``recompute_min_bytes_gpu`` defaults to -1: an eighth
+of the GPU's memory (17 GiB on an H200: 100 000 waters keep their 1.9 GB, where
+a fixed 1 GiB sent them through the chunks, 1024 atoms each, thousands of
+kernel launches per call). A scripted module on another device keeps the
 activations.
 """
 import struct
@@ -99,7 +102,8 @@ __all__ = ["FusedEnsemble", "FusedNetworks", "fuse_networks", "unsupported_reaso
 MAX_FIRST_LAYER_PACKS = 32
 SPLIT_MIN_ATOMS = 64  # smallest group of atoms worth a second layer-1 GEMM
 RECOMPUTE_MIN_BYTES = 64 * 1024 * 1024  # CPU: activations above this are not kept for backward
-RECOMPUTE_MIN_BYTES_GPU = 1024 * 1024 * 1024  # the same on other devices
+RECOMPUTE_MIN_BYTES_GPU = -1  # the same on other devices; -1: an eighth of the device's memory
+RECOMPUTE_FALLBACK_BYTES = 1024 * 1024 * 1024  # for -1 where the memory size is not known
 RECOMPUTE_CHUNK_ATOMS = 1024  # atoms per chunk: temporaries of a few MB, which glibc reuses without growing the heap
 # Up to this many atoms of one element, layer 1 runs as a batched GEMM over the
 # members (x broadcast, the packed weights viewed per member) rather than one wide
@@ -347,8 +351,16 @@ class _FusedBase(AtomicContainer):
         saved = 0
         for g in range(len(group_size)):
             saved += group_size[g] * k * self.hidden_widths[group_elem[g]]
-        limit = self.recompute_min_bytes if aev.device.type == "cpu" else self.recompute_min_bytes_gpu
+        limit = self.recompute_min_bytes if aev.device.type == "cpu" else self._gpu_budget(aev.device)
         return saved * aev.element_size() > limit
+
+    @torch.jit.unused
+    def _gpu_budget(self, device: torch.device) -> int:
+        """``recompute_min_bytes_gpu``, or for -1 (the default) an eighth of the
+        device's memory (1 GiB where torch does not report it)."""
+        if self.recompute_min_bytes_gpu >= 0:
+            return self.recompute_min_bytes_gpu
+        return _device_budget(device)
 
     @torch.jit.unused
     def _eager_recompute(
@@ -1069,6 +1081,20 @@ class _Recompute(torch.autograd.Function):
                 index = (chunk,) if cols is None else (chunk.unsqueeze(1), cols.unsqueeze(0))
                 grad = grad.index_put(index, gx) if differentiable else grad.index_put_(index, gx)
         return grad, None, None, None, None, None
+
+
+_DEVICE_BUDGETS: tp.Dict[str, int] = {}
+
+
+def _device_budget(device: torch.device) -> int:
+    """An eighth of a CUDA device's memory, asked once per device; 1 GiB elsewhere."""
+    if device.type != "cuda":
+        return RECOMPUTE_FALLBACK_BYTES
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = "cuda:" + str(index)
+    if key not in _DEVICE_BUDGETS:
+        _DEVICE_BUDGETS[key] = int(torch.cuda.get_device_properties(index).total_memory) // 8
+    return _DEVICE_BUDGETS[key]
 
 
 def aev_columns(present: tp.List[bool], r: int, w: int, triu: tp.List[tp.List[int]]) -> tp.List[int]:

@@ -73,16 +73,15 @@ else
   BUILD_RC=$?
   elapsed "torchani_fast build rc=$BUILD_RC"
   if [ $BUILD_RC -ne 0 ]; then grep -E "error" -A3 "$OUT/torchani_fast_build.log" | head -60; exit 1; fi
+  # libstdc++ linked statically (/opt/gcc on the GPU machines) must not be
+  # exported from _C.so (setup.py): count the std:: symbols it exports.
+  echo "std:: symbols exported by _C.so: $(nm -D --defined-only torchani_fast/_C*.so | grep -c ' _ZNS\| _ZSt')"
+  # The built extension comes back (debug info stripped) so that a second call can
+  # carry it instead of building again (REUSE_BUILD=1).
+  for so in torchani_fast/_C*.so; do strip --strip-debug -o "$OUT/$(basename "$so")" "$so"; done
 fi
 STAGES=${STAGES:-tests benchmark profile memcheck}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-# libstdc++ linked statically (/opt/gcc on the GPU machines) must not be
-# exported from _C.so (setup.py): count the std:: symbols it exports.
-echo "std:: symbols exported by _C.so: $(nm -D --defined-only torchani_fast/_C*.so | grep -c ' _ZNS\| _ZSt')"
-# The built extension comes back (debug info stripped) so that a second call can
-# carry it instead of building again.
-for so in torchani_fast/_C*.so; do strip --strip-debug -o "$OUT/$(basename "$so")" "$so"; done
-ls -la "$OUT"
 
 if has tests; then
   elapsed "3. tests/test_cuda.py"

@@ -21,19 +21,11 @@ from torch.profiler import ProfilerActivity, profile
 
 import torchani_fast
 from torchani_fast.step import EnergyForcesStep
-from torchani_fast.testing import random_ani2x, random_molecule, water_box
+from torchani_fast.testing import random_ani2x
 
-
-def system(n):
-    if n < 100:
-        return random_molecule(n) + (None, None)
-    return water_box(round(n / 3))
-
-
-def energy_forces(model, z, x, cell, pbc):
-    x = x.detach().requires_grad_(True)
-    e = model((z, x), cell=cell, pbc=pbc).energies.sum()
-    return torch.autograd.grad(e, x)[0]
+# The same systems and step as the benchmark (this folder is on sys.path when
+# the script runs).
+from benchmark_gpu import CUAEV_IS_INSTALLED, energy_forces, system
 
 
 def report(name, fn, reps, out):
@@ -67,7 +59,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     out = open(a.out, "w") if a.out else sys.stdout
     for n in (int(s) for s in a.sizes.split(",")):
-        z, x, cell, pbc = system(n)
+        _, (z, x, cell, pbc) = system(n)
         nl = "all_pairs" if cell is None else "cell_list"
         model = torchani_fast.patch(random_ani2x(0, "pyaev", nl)).to("cuda", torch.float32)
         args = (z.cuda(), x.to("cuda", torch.float32),
@@ -75,8 +67,6 @@ def main(argv=None):
                 None if pbc is None else pbc.cuda())
         reps = 20 if n < 5000 else 5
         if a.torchani:
-            from torchani.csrc import CUAEV_IS_INSTALLED
-
             strategy = "cuaev" if CUAEV_IS_INSTALLED else "pyaev"
             ref = random_ani2x(0, strategy, nl).to("cuda", torch.float32).to_infer_model()
             report(f"{z.shape[1]} atoms, TorchANI ({strategy} + to_infer_model)",

@@ -90,6 +90,50 @@ TF_HOST_DEVICE inline void limit_bins(double* nb, double max_bins) {
 constexpr double kMaxReach = 1e5;
 constexpr double kMaxVisits = 1e6;
 
+// The search grid of one molecule from its atoms' fractional extent [lo, hi]
+// per axis (periodic axes span [0, 1)) and the cutoff's span in fractional
+// units: per axis the bin count (at most max_bins bins in all: a few per
+// atom), start, width and reach in bins. Returns the bins (or periodic
+// images) the search around an atom visits, the product of (2 reach + 1);
+// *thin_axis is the first axis whose reach exceeds kMaxReach (its reach is
+// stored as 0 and given in *thin_reach), or -1. Shared by the CPU search and
+// the CUDA setup kernel.
+template <typename Flag>
+TF_HOST_DEVICE inline double setup_axes(Axis* axis, const double* lo, const double* hi,
+                                        const Flag* periodic, const double* span, bool cell_list,
+                                        double max_bins, int* thin_axis, double* thin_reach) {
+  double nb[3];
+  for (int a = 0; a < 3; ++a) {
+    Axis& ax = axis[a];
+    ax.periodic = periodic[a] ? 1 : 0;
+    const double extent = ax.periodic ? 1.0 : hi[a] - lo[a];
+    ax.lo = ax.periodic ? 0.0 : lo[a];
+    nb[a] = cell_list ? fmax(1.0, fmin(floor(extent / span[a]), max_bins)) : 1.0;
+    if (!(nb[a] >= 1.0)) nb[a] = 1.0;  // NaN
+  }
+  limit_bins(nb, max_bins);
+  *thin_axis = -1;
+  double visits = 1;
+  for (int a = 0; a < 3; ++a) {
+    Axis& ax = axis[a];
+    ax.nb = static_cast<int64_t>(nb[a]);
+    const double extent = ax.periodic ? 1.0 : hi[a] - lo[a];
+    // A flat molecule (extent ~1e-150) must not turn into a huge bin count:
+    // decide in double, cast once the value is known to be small.
+    ax.width = extent > 0 ? fmax(extent / ax.nb, span[a] * 1e-6) : 1.0;
+    double reach = floor(span[a] / ax.width) + 1;
+    if (!ax.periodic) reach = fmin(reach, static_cast<double>(ax.nb - 1));
+    const bool thin = !(reach <= kMaxReach);
+    if (thin && *thin_axis < 0) {
+      *thin_axis = a;
+      *thin_reach = reach;
+    }
+    ax.reach = thin ? 0 : static_cast<int64_t>(reach);
+    visits *= 2 * reach + 1;
+  }
+  return visits;
+}
+
 // The (3-D) bin coordinates own[] of the flat bin index b.
 TF_HOST_DEVICE inline void split_bin(int64_t b, const Axis* axis, int64_t* own) {
   for (int a = 2; a >= 0; --a) {

@@ -158,39 +158,19 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
       // Keep the grid no larger than a few bins per atom (sparse or elongated
       // systems); counted in double so that no product can overflow.
       const double max_bins = 4.0 * static_cast<double>(count) + 27.0;
-      double nb[3];
-      for (int a = 0; a < 3; ++a) {
-        Axis& ax = mol.axis[a];
-        ax.periodic = periodic[a];
-        const double extent = ax.periodic ? 1.0 : hi[a] - lo[a];
-        ax.lo = ax.periodic ? 0.0 : lo[a];
-        nb[a] = cell_list ? std::max(1.0, std::min(std::floor(extent / span[a]), max_bins)) : 1.0;
-      }
-      neighbors::limit_bins(nb, max_bins);
-      int64_t nbins = 1;
-      for (int a = 0; a < 3; ++a) {
-        mol.axis[a].nb = static_cast<int64_t>(nb[a]);
-        nbins *= mol.axis[a].nb;
-      }
-      double visits = 1;
-      for (int a = 0; a < 3; ++a) {
-        Axis& ax = mol.axis[a];
-        const double extent = ax.periodic ? 1.0 : hi[a] - lo[a];
-        // A flat molecule (extent ~1e-150) must not turn into a huge bin count:
-        // decide in double, cast once the value is known to be small.
-        ax.width = extent > 0 ? std::max(extent / ax.nb, span[a] * 1e-6) : 1.0;
-        double reach = std::floor(span[a] / ax.width) + 1;
-        if (!ax.periodic) reach = std::min(reach, static_cast<double>(ax.nb - 1));
-        TORCH_CHECK(reach <= neighbors::kMaxReach,
-                    "torchani_fast::neighbor_pairs: the cell is too thin along lattice vector ",
-                    a, " (", reach, " periodic images within the cutoff)");
-        ax.reach = static_cast<int64_t>(reach);
-        visits *= 2 * reach + 1;
-      }
+      int thin_axis;
+      double thin_reach = 0;
+      const double visits = neighbors::setup_axes(mol.axis.data(), lo, hi, periodic, span,
+                                                  cell_list, max_bins, &thin_axis, &thin_reach);
+      TORCH_CHECK(thin_axis < 0,
+                  "torchani_fast::neighbor_pairs: the cell is too thin along lattice vector ",
+                  thin_axis, " (", thin_reach, " periodic images within the cutoff)");
       TORCH_CHECK(visits <= neighbors::kMaxVisits,
                   "torchani_fast::neighbor_pairs: the cell is too small for the cutoff: the "
                   "search around each atom would visit ", visits,
                   " periodic images or bins (at most 1e6)");
+      int64_t nbins = 1;
+      for (const Axis& ax : mol.axis) nbins *= ax.nb;
       mol.bin_start.assign(nbins + 1, 0);
       for (int64_t i = m * A; i < (m + 1) * A; ++i) {
         if (species[i] < 0) continue;

@@ -139,32 +139,13 @@ __global__ void setup_kernel(const int64_t* __restrict__ species,
       // Keep the grid no larger than a few bins per atom (sparse or elongated
       // systems); counted in double so that no product can overflow.
       const double max_bins = 4.0 * static_cast<double>(n) + 27.0;
-      double nb[3];
-      for (int a = 0; a < 3; ++a) {
-        Axis& ax = grid.axis[a];
-        ax.periodic = periodic[a];
-        const double extent = ax.periodic ? 1.0 : red_hi[a][0] - red_lo[a][0];
-        ax.lo = ax.periodic ? 0.0 : red_lo[a][0];
-        nb[a] = cell_list ? fmax(1.0, fmin(floor(extent / span[a]), max_bins)) : 1.0;
-        if (!(nb[a] >= 1.0)) nb[a] = 1.0;  // NaN
-      }
-      neighbors::limit_bins(nb, max_bins);
-      for (int a = 0; a < 3; ++a) grid.axis[a].nb = static_cast<int64_t>(nb[a]);
-      bool thin = false;
-      double visits = 1;
-      for (int a = 0; a < 3; ++a) {
-        Axis& ax = grid.axis[a];
-        const double extent = ax.periodic ? 1.0 : red_hi[a][0] - red_lo[a][0];
-        // A flat molecule (extent ~1e-150) must not turn into a huge bin count:
-        // decide in double, cast once the value is known to be small.
-        ax.width = extent > 0 ? fmax(extent / ax.nb, span[a] * 1e-6) : 1.0;
-        double reach = floor(span[a] / ax.width) + 1;
-        if (!ax.periodic) reach = fmin(reach, static_cast<double>(ax.nb - 1));
-        thin = thin || !(reach <= neighbors::kMaxReach);
-        ax.reach = thin ? 0 : static_cast<int64_t>(reach);
-        visits *= 2 * reach + 1;
-      }
-      thin = thin || !(visits <= neighbors::kMaxVisits);
+      const double lo_m[3] = {red_lo[0][0], red_lo[1][0], red_lo[2][0]};
+      const double hi_m[3] = {red_hi[0][0], red_hi[1][0], red_hi[2][0]};
+      int thin_axis;
+      double thin_reach;
+      const double visits = neighbors::setup_axes(grid.axis, lo_m, hi_m, periodic, span, cell_list,
+                                                  max_bins, &thin_axis, &thin_reach);
+      const bool thin = thin_axis >= 0 || !(visits <= neighbors::kMaxVisits);
       if (thin) {  // the CPU raises; here: flag it and search nothing
         atomic_or_i64(err, kErrThinCell);
         for (int a = 0; a < 3; ++a) grid.axis[a] = Axis{1, 0, 0.0, 1.0, 0};

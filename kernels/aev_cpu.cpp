@@ -110,11 +110,17 @@ struct NeighborArrays {
     const __m256 w = _mm256_set1_ps(static_cast<float>(aev_math::kPi) / rc);
     const __m256 half = _mm256_set1_ps(0.5f), neg_half_w = _mm256_mul_ps(_mm256_set1_ps(-0.5f), w);
     const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const __m256 cut = _mm256_set1_ps(rc), half_w = _mm256_mul_ps(half, w);
     for (int64_t e = 0; e < n; e += 8) {
       const __m256 rr = _mm256_loadu_ps(r.data() + e);
       __m256 c, s;
       simd::cos_sin_0_pi(_mm256_mul_ps(rr, w), c, s);
-      _mm256_storeu_ps(fc.data() + e, _mm256_fmadd_ps(half, c, half));
+      // aev_math::cutoff_tail: where fc rounds to 0 below rc, (pi (rc - r) / (2 rc))^2.
+      const __m256 f = _mm256_fmadd_ps(half, c, half);
+      const __m256 tail = _mm256_and_ps(_mm256_cmp_ps(f, zero, _CMP_EQ_OQ),
+                                        _mm256_cmp_ps(rr, cut, _CMP_LT_OQ));
+      const __m256 t = _mm256_mul_ps(_mm256_sub_ps(cut, rr), half_w);
+      _mm256_storeu_ps(fc.data() + e, _mm256_blendv_ps(f, _mm256_mul_ps(t, t), tail));
       if (!backward) continue;
       _mm256_storeu_ps(dfc.data() + e, _mm256_mul_ps(neg_half_w, s));
       const __m256 positive = _mm256_cmp_ps(rr, zero, _CMP_GT_OQ);

@@ -14,6 +14,7 @@
 //                      r, cutoff values and neighbour species per half edge
 #pragma once
 
+#include "aev_second_derivs.h"
 #include "cuda_common.cuh"
 #include "ops.h"
 
@@ -78,14 +79,9 @@ struct ParamTensors {
   }
 };
 
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t cutoff_cos(scalar_t r, scalar_t rc) {
-  return scalar_t(0.5) * cuda::dcos(r * (scalar_t(cuda::kPi) / rc)) + scalar_t(0.5);
-}
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t cutoff_cos_deriv(scalar_t r, scalar_t rc) {
-  return scalar_t(-0.5) * (scalar_t(cuda::kPi) / rc) * cuda::dsin(r * (scalar_t(cuda::kPi) / rc));
-}
+// The cosine cutoff and its derivative, as on the CPU (cosf/sinf, cos/sin).
+using aev_math::cutoff_cos;
+using aev_math::cutoff_cos_deriv;
 
 // Row-major upper-triangular index of the species pair, as torchani's triu_index.
 __device__ __forceinline__ int64_t pair_index(int64_t s1, int64_t s2, int64_t S) {

@@ -59,9 +59,23 @@ TF_HOST_DEVICE inline double m_sqrt(double x) { return ::sqrt(x); }
 
 constexpr double kPi = 3.14159265358979323846;
 
+// The cosine cutoff from fc = 0.5 cos(pi r / rc) + 0.5 as TorchANI computes it.
+// That rounds to exactly 0 over the last stretch below the cutoff (r > rc (1 -
+// 7.8e-5) in float32: 0.4 mA for rc = 5.1 A; 5e-9 in float64), where its
+// derivative does not vanish. There the accurate value, cos^2(pi r / (2 rc)) =
+// sin^2(e) = e^2 to working precision, e = pi (rc - r) / (2 rc): so a neighbour
+// inside the cutoff never leaves its AEV terms exactly 0, and an AEV block that
+// is 0 means that the atom has no such neighbours, as FusedEnsemble's
+// rare-element split assumes. (rc - r is exact there.) SIMD copy: aev_cpu.cpp.
+template <typename scalar_t>
+TF_HOST_DEVICE inline scalar_t cutoff_tail(scalar_t fc, scalar_t r, scalar_t rc) {
+  if (fc != scalar_t(0) || !(r < rc)) return fc;
+  const scalar_t e = (rc - r) * (scalar_t(kPi / 2) / rc);
+  return e * e;
+}
 template <typename scalar_t>
 TF_HOST_DEVICE inline scalar_t cutoff_cos(scalar_t r, scalar_t rc) {
-  return scalar_t(0.5) * m_cos(r * (scalar_t(kPi) / rc)) + scalar_t(0.5);
+  return cutoff_tail(scalar_t(0.5) * m_cos(r * (scalar_t(kPi) / rc)) + scalar_t(0.5), r, rc);
 }
 template <typename scalar_t>
 TF_HOST_DEVICE inline scalar_t cutoff_cos_deriv(scalar_t r, scalar_t rc) {

@@ -528,7 +528,8 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
   // cutoff (a nonzero radial block), by at most a quarter of its atoms, when
   // enough atoms see none of them to be worth a second group.
   std::vector<int64_t> rare(S, 0), seen;
-  const bool consider = aev.has_value() && radial_sublen > 0 && n >= 2 * split_min_atoms;
+  const bool consider =
+      aev.has_value() && radial_sublen > 0 && split_min_atoms > 0 && n >= 2 * split_min_atoms;
   if (consider) {
     const at::Tensor x = aev->contiguous();
     TORCH_CHECK(x.dim() == 2 && x.size(0) == n && x.size(1) >= S * radial_sublen,

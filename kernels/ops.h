@@ -289,8 +289,8 @@ std::tuple<bool, int64_t> weights_state(at::TensorList params);
 
 // group_atoms: how FusedEnsemble groups atoms for layer 1 (nn.py, _groups):
 // one group per element present, reading the AEV columns of every element
-// present (a bitmask); with aev (rows, features) given and at least
-// 2 * split_min_atoms rows, an element's atoms are split in two groups when
+// present (a bitmask); with aev (rows, features) given, split_min_atoms > 0 and
+// at least 2 * split_min_atoms rows, an element's atoms are split in two groups when
 // some present elements are seen (nonzero radial block of width radial_sublen)
 // by at most a quarter of them and at least split_min_atoms see none: those
 // skip the columns of these "rare" elements. Returns the atoms (flat indices

@@ -137,6 +137,51 @@ def test_float32_computed_in_float32():
     assert out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype,delta", [(torch.float32, 3e-5), (torch.float64, 2e-9)], ids=["f32", "f64"])
+def test_cutoff_tail_is_accurate(dtype, delta, device):
+    # Just inside a cutoff, TorchANI's 0.5 cos(pi r / Rc) + 0.5 rounds to exactly 0
+    # (float32: the last 7.8e-5 Rc; float64: 5e-9 Rc) while its slope does not.
+    # Ours keeps the accurate value, sin^2(pi (Rc - r) / (2 Rc)), so that a
+    # neighbour inside the cutoff never leaves its AEV block 0: FusedEnsemble's
+    # rare-element split reads a zero block as "no such neighbour".
+    ref, fast = model_pair("ANI2x", dtype)
+    aevc = fast.potentials["nnp"].aev_computer.to(device)
+    ref_aevc = ref.potentials["nnp"].aev_computer
+    rc_r, rc_a = float(ref_aevc.radial.cutoff), float(ref_aevc.angular.cutoff)
+    # C at the origin; O just inside the radial cutoff, H just inside the angular
+    # one, N at 1.1 A (so that the C has an (H, N) triple).
+    species = torch.tensor([[6, 8, 1, 7]])
+    coords = torch.tensor([[[0.0, 0.0, 0.0], [-rc_r * (1 - delta), 0.0, 0.0],
+                            [rc_a * (1 - delta), 0.0, 0.0], [0.0, 1.1, 0.0]]], dtype=dtype)
+    elem = ref.species_converter(species)
+    x = coords.to(device).requires_grad_(True)
+    aev = aevc(elem.to(device), x)
+    (grad,) = torch.autograd.grad(aev.sum(), x)
+    aev, grad = aev.detach().cpu()[0, 0], grad.cpu()
+    # The O's radial block of the C: 0.25 exp(-eta (r - shift)^2) fc(r), in float64.
+    r = torch.linalg.vector_norm(coords[0, 1]).double()
+    fc = torch.sin(torch.pi * (rc_r - r) / (2 * rc_r)) ** 2
+    radial = ref_aevc.radial
+    expected = 0.25 * torch.exp(-radial.eta.double() * (r - radial.shifts.double()) ** 2) * fc
+    o_block = aev[3 * 16: 4 * 16].double()  # element order H C N O S F Cl
+    assert o_block.max() > 0
+    rtol = 2e-2 if dtype == torch.float32 else 1e-5  # (Rc - r) carries the rounding of r
+    torch.testing.assert_close(o_block, expected, rtol=rtol, atol=1e-30 if dtype == torch.float32 else 1e-60)
+    # The (H, N) angular block of the C is not 0 either; in float32 it matches
+    # TorchANI in float64, whose own zero stretch is 1e4 times narrower.
+    p = int(ref_aevc.triu_index[0, 2])
+    hn_block = aev[7 * 16 + 32 * p: 7 * 16 + 32 * (p + 1)]
+    assert (hn_block != 0).all()
+    if dtype == torch.float32:
+        ref64 = copy.deepcopy(ref_aevc).double()
+        hn_ref = ref64(elem, coords.double())[0, 0, 7 * 16 + 32 * p: 7 * 16 + 32 * (p + 1)]
+        torch.testing.assert_close(hn_block.double(), hn_ref, rtol=2e-2, atol=0)
+    # The gradient is TorchANI's (whose slope there was always right).
+    y = coords.clone().requires_grad_(True)
+    (grad_ref,) = torch.autograd.grad(ref_aevc(elem, y).sum(), y)
+    torch.testing.assert_close(grad, grad_ref, **tol(dtype))
+
+
 def _aev_and_gradient(aev_computer, species, coords, cell, pbc, weights):
     """The AEV and d(sum weights * AEV)/d(coords) in coords' dtype."""
     x = coords.detach().clone().requires_grad_(True)

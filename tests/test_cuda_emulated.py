@@ -147,6 +147,24 @@ def test_aev(emu, name, dtype):
     _check_aev(emu, *_aev_case(*EMU_SYSTEMS[name], dtype, pad_slots=11), dtype)
 
 
+@pytest.mark.parametrize("dtype,delta", [(torch.float32, 3e-5), (torch.float64, 2e-9)], ids=["f32", "f64"])
+def test_aev_cutoff_tail(emu, dtype, delta):
+    """Neighbours just inside the cutoffs, where 0.5 cos(pi r / Rc) + 0.5 rounds to
+    0: the device kernels keep the accurate tail (aev_math::cutoff_tail) as the
+    CPU does, so the blocks are not 0 (test_aev.py::test_cutoff_tail_is_accurate)."""
+    aevc = random_model().aev_computer
+    rc_r, rc_a, r_len = float(aevc.radial.cutoff), float(aevc.angular.cutoff), int(aevc.radial.num_feats)
+    species = torch.tensor([[1, 3, 0, 2]])  # C, then O at the radial cutoff, H at the angular one, N
+    coords = torch.tensor([[[0.0, 0.0, 0.0], [-rc_r * (1 - delta), 0.0, 0.0],
+                            [rc_a * (1 - delta), 0.0, 0.0], [0.0, 1.1, 0.0]]], dtype=torch.float64)
+    case = _aev_case(species, coords, None, None, dtype)
+    _check_aev(emu, *case, dtype)
+    out = emu.aev(*case[:3], *case[3])
+    p = int(aevc.triu_index[0, 2])
+    assert out[0, 0, 3 * r_len: 4 * r_len].max() > 0  # the O's radial block
+    assert out[0, 0, 7 * r_len + 32 * p: 7 * r_len + 32 * (p + 1)].max() > 0  # the (H, N) angular block
+
+
 @pytest.mark.parametrize("n_atoms", [300, 1100, 4200])
 def test_aev_launch_shapes(emu, n_atoms):
     """4, 2 and 1 warps per atom (dilute gas, so that the emulation stays quick)."""

@@ -598,6 +598,42 @@ def test_rare_element_split():
     assert_forces(f, f_ref, torch.float64)
 
 
+def test_rare_element_split_at_the_cutoff_tail():
+    # 1hz5 (one S) with hydrogen 15 moved to 5.1 (1 - 7e-5) A from the S, the only
+    # S within the cutoff. TorchANI's float32 cutoff is exactly 0 there, its slope
+    # is not: a split reading such zeros put the H with the atoms that skip the S
+    # columns and dropped a 6e-6 Ha/A force term. torchani_fast's AEV is not 0
+    # there, so the H reads the S columns, and the forces are as close to
+    # TorchANI's float64 ones as TorchANI's float32 forces are.
+    ref, fast = model_pair("ANI2x", torch.float32)
+    nn = fast.potentials["nnp"].neural_networks
+    species, coords = padded_batch(["1hz5.xyz"], torch.float32, empty_row=False)
+    z = species[0]
+    s_atom, h = int((z == 16).nonzero()[0]), 15
+    assert int(z[h]) == 1
+    rc = float(ref.potentials["nnp"].aev_computer.radial.cutoff)
+    u = (coords[0, h] - coords[0, s_atom]).double()
+    coords[0, h] = (coords[0, s_atom].double() + rc * (1 - 7e-5) * u / u.norm()).float()
+    dist = torch.linalg.vector_norm(coords[0] - coords[0, h], dim=1)
+    assert int(((z == 16) & (dist < rc)).sum()) == 1 and float(dist[dist > 0].min()) > 0.9
+    elem = fast.species_converter(species)
+    aev = fast.potentials["nnp"].aev_computer(elem, coords).flatten(0, 1)
+    atoms, _, group_mask, group_size = nn._groups(elem.flatten(), aev)
+    assert len(set(group_mask)) > 1  # the split happened
+    group = int(torch.searchsorted(torch.tensor(group_size).cumsum(0), int((atoms == h).nonzero()), right=True))
+    assert group_mask[group] >> 4 & 1  # reads the S columns
+    _, f64 = energy_forces(copy.deepcopy(ref).double(), species, coords.double())
+    _, f_ref = energy_forces(ref, species, coords)
+    _, f = energy_forces(fast, species, coords)
+    ref_error = float((f_ref.double() - f64).abs().max())
+    assert float((f.double() - f64).abs().max()) <= 2 * ref_error
+    # Networks fused with another AEV computer (TorchANI's) do not split; model[i]
+    # splits as its ensemble does.
+    assert fuse_networks(copy.deepcopy(ref.potentials["nnp"].neural_networks),
+                         ref.potentials["nnp"].aev_computer).split_min_atoms == 0
+    assert nn[0].split_min_atoms == nn.split_min_atoms > 0
+
+
 @pytest.mark.parametrize("split_min_atoms", [32, 64])
 def test_grouping_op_matches_the_aten_grouping(split_min_atoms):
     # torchani_fast::group_atoms (CPU) groups atoms exactly as the ATen code that

@@ -36,7 +36,14 @@ unaffected, as those columns do not depend on the coordinates.) In large inputs
 present element is seen (within the radial cutoff) by at most a quarter of them,
 like the one S atom of a protein: the atoms that see none of these "rare"
 elements skip their columns too (the columns are exact zeros for those atoms,
-and so is their derivative, so forces stay exact).
+and so is their derivative, so forces stay exact). A zero radial block must
+then mean "no neighbour of that element", which holds for torchani_fast's AEV
+computer only: TorchANI's float32 cosine cutoff, 0.5 cos(pi r / Rc) + 0.5,
+rounds to exactly 0 within ~4e-4 A of Rc, where its slope does not vanish, and
+a split on such AEVs dropped force terms of up to 6e-6 Ha/A (a hydrogen there
+from the one S of 1hz5). Ours computes that stretch accurately (a nonzero
+value), and the split is off (``split_min_atoms = 0``) for networks fused with
+another AEV computer or none.
 
 **Packing.** TorchANI's member modules stay registered under their usual names
 (so ``state_dict`` keys, strict loading and ``model[i]`` are unchanged) and are
@@ -166,7 +173,9 @@ class _FusedBase(AtomicContainer):
             aev_computer, self.num_species, self.in_dim
         )
         self.max_first_layer_packs = MAX_FIRST_LAYER_PACKS
-        self.split_min_atoms = SPLIT_MIN_ATOMS
+        # The rare-element split reads a zero radial block as "no neighbour of that
+        # element": true of torchani_fast's AEV, not of TorchANI's (module doc).
+        self.split_min_atoms = SPLIT_MIN_ATOMS if _zero_blocks_mean_no_neighbors(aev_computer) else 0
         self.recompute_min_bytes = RECOMPUTE_MIN_BYTES
         self.recompute_min_bytes_gpu = RECOMPUTE_MIN_BYTES_GPU
         self.small_group_atoms = SMALL_GROUP_ATOMS
@@ -557,7 +566,7 @@ class _FusedBase(AtomicContainer):
         """``_groups`` with ATen ops (any device; the CPU takes ``group_atoms``)."""
         num_species = self.num_species
         r = self.radial_sublen
-        if r == 0 or flat.shape[0] < 2 * self.split_min_atoms:
+        if r == 0 or self.split_min_atoms <= 0 or flat.shape[0] < 2 * self.split_min_atoms:
             return self._aten_composition_groups(flat)
         elems: tp.List[int] = []
         masks: tp.List[int] = []
@@ -873,7 +882,9 @@ class FusedEnsemble(_FusedBase):
 
     def __getitem__(self, idx: int) -> "FusedNetworks":
         layout = _Layout(self.radial_sublen, self.angular_sublen, self.triu)
-        return FusedNetworks(self.members[idx], layout)
+        member = FusedNetworks(self.members[idx], layout)
+        member.split_min_atoms = self.split_min_atoms
+        return member
 
     @torch.jit.unused
     def _member_atomics(self) -> tp.List[tp.List[torch.nn.Module]]:
@@ -1138,6 +1149,14 @@ class _Layout(tp.NamedTuple):
 
 def _linears(atomic: torch.nn.Module) -> tp.List[torch.nn.Linear]:
     return list(atomic.layers) + [atomic.final_layer]
+
+
+def _zero_blocks_mean_no_neighbors(aev_computer) -> bool:
+    """Whether the AEVs come from torchani_fast's computer, whose cosine cutoff is
+    never exactly 0 inside the cutoff (``aev_math::cutoff_tail`` in the kernels)."""
+    from .aev import AEVComputer
+
+    return isinstance(aev_computer, AEVComputer)
 
 
 def _aev_layout(aev_computer, num_species: int, in_dim: int) -> tp.Tuple[int, int, tp.List[tp.List[int]]]:

@@ -274,7 +274,8 @@ class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
                             std::vector<int64_t> sizes, std::vector<at::Tensor> columns,
                             std::vector<at::Tensor> first, std::vector<at::Tensor> packs,
                             std::vector<at::Tensor> panels, std::vector<int64_t> layers,
-                            int64_t members, int64_t molecules, int64_t divisor) {
+                            int64_t members, int64_t molecules, int64_t divisor,
+                            bool zero_blocks_exact) {
     at::AutoDispatchBelowADInplaceOrView guard;
     if (molecules > 0) check_energies_args(aev, molecules, divisor);
     static const auto op = c10::Dispatcher::singleton()
@@ -282,9 +283,9 @@ class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
                                .typed<std::tuple<at::Tensor, at::Tensor>(
                                    const at::Tensor&, const at::Tensor&, at::IntArrayRef,
                                    at::TensorList, at::TensorList, at::TensorList,
-                                   at::TensorList, at::IntArrayRef, int64_t, bool)>();
+                                   at::TensorList, at::IntArrayRef, int64_t, bool, bool)>();
     auto [values, jac] = op.call(aev, atoms, sizes, columns, first, packs, panels, layers,
-                                 members, true);
+                                 members, true, zero_blocks_exact);
     ctx->save_for_backward({aev});
     ctx->saved_data["atoms"] = atoms;
     ctx->saved_data["jac"] = jac;
@@ -321,7 +322,7 @@ class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
                         .expand({rows, molecules, aev.size(0) / molecules})
                         .reshape({rows, aev.size(0)});
     }
-    tensor_list out(11);
+    tensor_list out(12);
     if (!differentiable) {
       static const auto op = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("torchani_fast::ensemble_mlp_backward", "")
@@ -349,33 +350,36 @@ at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& ato
                                     at::IntArrayRef sizes, at::TensorList columns,
                                     at::TensorList first, at::TensorList packs,
                                     at::TensorList panels, at::IntArrayRef layers,
-                                    int64_t members) {
+                                    int64_t members, bool zero_blocks_exact) {
   if (!(at::GradMode::is_enabled() && aev.requires_grad())) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("torchani_fast::ensemble_atomic", "")
                                .typed<decltype(ensemble_atomic_autograd)>();
-    return op.call(aev, atoms, sizes, columns, first, packs, panels, layers, members);
+    return op.call(aev, atoms, sizes, columns, first, packs, panels, layers, members,
+                   zero_blocks_exact);
   }
   return EnsembleFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first.vec(), packs.vec(),
-                                 panels.vec(), layers.vec(), members, 0, 1);
+                                 panels.vec(), layers.vec(), members, 0, 1, zero_blocks_exact);
 }
 
 at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& atoms,
                                       at::IntArrayRef sizes, at::TensorList columns,
                                       at::TensorList first, at::TensorList packs,
                                       at::TensorList panels, at::IntArrayRef layers,
-                                      int64_t members, int64_t molecules, int64_t divisor) {
+                                      int64_t members, int64_t molecules, int64_t divisor,
+                                      bool zero_blocks_exact) {
   if (!(at::GradMode::is_enabled() && aev.requires_grad())) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("torchani_fast::ensemble_energies", "")
                                .typed<decltype(ensemble_energies_autograd)>();
     return op.call(aev, atoms, sizes, columns, first, packs, panels, layers, members, molecules,
-                   divisor);
+                   divisor, zero_blocks_exact);
   }
   return EnsembleFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first.vec(), packs.vec(),
-                                 panels.vec(), layers.vec(), members, molecules, divisor);
+                                 panels.vec(), layers.vec(), members, molecules, divisor,
+                                 zero_blocks_exact);
 }
 
 namespace {

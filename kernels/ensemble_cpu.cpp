@@ -154,15 +154,34 @@ inline bool distinct_in_range(const at::Tensor& idx, int64_t end) {
   return true;
 }
 
-// Layer l of member m: out (rows, d_out) = h W_l + b_l.
+// Whether any of p[0 .. n) is nonzero (NaN counts, as ne(0) does); no early
+// exit, so that the loop vectorises.
 template <typename T>
-void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, const T* h, T* out) {
+bool any_nonzero(const T* p, int64_t n) {
+  int nonzero = 0;
+  for (int64_t c = 0; c < n; ++c) nonzero |= p[c] != T(0);
+  return nonzero != 0;
+}
+
+// Bit c: x[16c .. 16c + 15] is not all zero (n = 16 * chunks, at most 64 chunks).
+template <typename T>
+uint64_t nonzero_chunks(const T* x, int64_t n) {
+  uint64_t bits = 0;
+  for (int64_t c = 0; c < n / 16; ++c) bits |= uint64_t(any_nonzero(x + 16 * c, 16)) << c;
+  return bits;
+}
+
+// Layer l of member m: out (rows, d_out) = h W_l + b_l. With the panels, `chunks`
+// (per row, or nullptr) are h's 16-column chunks that are not all zero.
+template <typename T>
+void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, const T* h, T* out,
+                   const uint64_t* chunks) {
   const int64_t din = net.dims[l], dout = net.dims[l + 1];
   const T* bias = net.bias[l] + m * dout;
   if constexpr (std::is_same_v<T, float>) {
     if (l < static_cast<int64_t>(net.panel_fwd.size())) {
       small_gemm::panel_gemm(rows, dout, din, h, din, net.panel_fwd[l] + m * din * dout, bias,
-                             false, nullptr, 0, out, dout);
+                             false, nullptr, 0, out, dout, chunks);
       return;
     }
   }
@@ -171,20 +190,21 @@ void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, c
 }
 
 // Back through layer l of member m: out (rows, d_in) = (g W_l^T) * deriv, or,
-// without deriv, out = g W_l^T (accumulate: out += g W_l^T).
+// without deriv, out = g W_l^T (accumulate: out += g W_l^T). With the panels,
+// out's 16-column chunks not in `chunks` (per row, or nullptr) are 0 (or kept).
 template <typename T>
 void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, const T* g,
-                    const T* deriv, bool accumulate, T* out) {
+                    const T* deriv, bool accumulate, T* out, const uint64_t* chunks) {
   const int64_t din = net.dims[l], dout = net.dims[l + 1];
   if constexpr (std::is_same_v<T, float>) {
     if (rows <= kNtMaxRows && l < static_cast<int64_t>(net.panel_fwd.size())) {
       small_gemm::panel_nt(rows, din, dout, g, dout, net.panel_fwd[l] + m * din * dout, accumulate,
-                           deriv, din, out, din);
+                           deriv, din, out, din, chunks);
       return;
     }
     if (l < static_cast<int64_t>(net.panel_bwd.size())) {
       small_gemm::panel_gemm(rows, din, dout, g, dout, net.panel_bwd[l] + m * din * dout, nullptr,
-                             accumulate, deriv, din, out, din);
+                             accumulate, deriv, din, out, din, nullptr, chunks);
       return;
     }
   }
@@ -196,7 +216,8 @@ void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, 
 template <typename T>
 void run_task(const GroupNet<T>& net, const Task& task, int64_t member_begin, int64_t member_end,
               const T* aev, int64_t features, const int64_t* atoms, int64_t num_atoms,
-              T* values, T* jac, bool input_grad, std::vector<T>& scratch) {
+              T* values, T* jac, bool input_grad, bool zero_blocks_exact, std::vector<T>& scratch,
+              std::vector<uint64_t>& chunk_bits) {
   const int64_t rows = task.rows, in_dim = net.in_dim(), layers = net.layers();
   const int64_t last = layers - 1;
   int64_t widest = 0, hidden = 0;
@@ -221,11 +242,24 @@ void run_task(const GroupNet<T>& net, const Task& task, int64_t member_begin, in
     T* dst = x + r * in_dim;
     for (int64_t c = 0; c < in_dim; ++c) dst[c] = src[net.cols[c]];
   }
+  // With the panels, layer 1's forward skips the 16-column chunks of the AEV
+  // that are zero in every row of a tile (most atoms lack neighbour pairs of
+  // some kinds; group_atoms puts atoms that lack the same ones side by side):
+  // they would add exact zeros. Its backward (J) skips them only when the
+  // caller vouches that their derivative is 0 too (zero_blocks_exact): with
+  // TorchANI's float32 cosine cutoff an entry is exactly 0 over the last ~4e-4
+  // A below the cutoff while its slope is not, and J multiplies that slope.
+  const uint64_t* chunks = nullptr;
+  if (!net.panel_fwd.empty() && in_dim % 16 == 0 && in_dim <= 16 * 64) {
+    chunk_bits.resize(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) chunk_bits[r] = nonzero_chunks(x + r * in_dim, in_dim);
+    chunks = chunk_bits.data();
+  }
   T* jac_rows = input_grad ? jac + net.jac_offset + task.row0 * in_dim : nullptr;
   for (int64_t m = member_begin; m < member_end; ++m) {
     const T* h = x;
     for (int64_t l = 0; l < layers; ++l) {
-      layer_forward(net, l, m, rows, h, a[l]);
+      layer_forward(net, l, m, rows, h, a[l], l == 0 ? chunks : nullptr);
       if (l < last) celu_inplace(a[l], d[l], rows * net.dims[l + 1]);
       h = a[l];
     }
@@ -252,10 +286,11 @@ void run_task(const GroupNet<T>& net, const Task& task, int64_t member_begin, in
     T* gl = g;
     T* gs = spare;
     for (int64_t l = last - 1; l >= 1; --l) {
-      layer_backward(net, l, m, rows, gl, d[l - 1], false, gs);
+      layer_backward(net, l, m, rows, gl, d[l - 1], false, gs, nullptr);
       std::swap(gl, gs);
     }
-    layer_backward(net, 0, m, rows, gl, static_cast<const T*>(nullptr), accumulate, jac_rows);
+    layer_backward(net, 0, m, rows, gl, static_cast<const T*>(nullptr), accumulate, jac_rows,
+                   zero_blocks_exact ? chunks : nullptr);
   }
 }
 
@@ -263,7 +298,7 @@ template <typename T>
 std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
     at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
-    at::IntArrayRef layers, int64_t members, bool input_grad) {
+    at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact) {
   const int64_t groups = static_cast<int64_t>(sizes.size());
   const int64_t features = aev.size(1);
   // Panels are used when given, for float32, on CPUs that run panel_gemm.
@@ -400,12 +435,13 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     thread_local std::vector<T> scratch;
+    thread_local std::vector<uint64_t> chunk_bits;
     for (int64_t t = next++; t < num_tasks; t = next++) {
       const Task& task = tasks[t];
       const int64_t m0 = members * task.slice / slices, m1 = members * (task.slice + 1) / slices;
       run_task<T>(nets[task.group], task, m0, m1, aev_ptr, features, atom_ptr, num_atoms,
                   value_ptr, input_grad ? jac_ptr + task.slice * jac_size : nullptr, input_grad,
-                  scratch);
+                  zero_blocks_exact, scratch, chunk_bits);
     }
   });
   if (input_grad && slices > 1) {  // add the slices' partial J into the first, in slice order
@@ -425,7 +461,7 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
 std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
     const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
     at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
-    at::IntArrayRef layers, int64_t members, bool input_grad) {
+    at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact) {
   TORCH_CHECK(aev.dim() == 2 && aev.is_contiguous(),
               "ensemble_mlp: aev must be a contiguous (atoms, features) tensor, got ", aev.sizes());
   TORCH_CHECK(aev.scalar_type() == at::kFloat || aev.scalar_type() == at::kDouble,
@@ -439,18 +475,19 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
               sizes.size(), ", ", columns.size(), ", ", first.size(), ", ", layers.size());
   if (aev.scalar_type() == at::kFloat) {
     return ensemble_mlp_impl<float>(aev, atoms, sizes, columns, first, packs, panels, layers, members,
-                                    input_grad);
+                                    input_grad, zero_blocks_exact);
   }
   return ensemble_mlp_impl<double>(aev, atoms, sizes, columns, first, packs, panels, layers, members,
-                                   input_grad);
+                                   input_grad, zero_blocks_exact);
 }
 
 at::Tensor ensemble_atomic_cpu(const at::Tensor& aev, const at::Tensor& atoms,
                                at::IntArrayRef sizes, at::TensorList columns,
                                at::TensorList first, at::TensorList packs,
-                               at::TensorList panels, at::IntArrayRef layers, int64_t members) {
+                               at::TensorList panels, at::IntArrayRef layers, int64_t members,
+                               bool zero_blocks_exact) {
   return std::get<0>(ensemble_mlp_cpu(aev, atoms, sizes, columns, first, packs, panels, layers,
-                                      members, false));
+                                      members, false, zero_blocks_exact));
 }
 
 void check_energies_args(const at::Tensor& aev, int64_t molecules, int64_t divisor) {
@@ -470,10 +507,11 @@ at::Tensor ensemble_energies_cpu(const at::Tensor& aev, const at::Tensor& atoms,
                                  at::IntArrayRef sizes, at::TensorList columns,
                                  at::TensorList first, at::TensorList packs,
                                  at::TensorList panels, at::IntArrayRef layers, int64_t members,
-                                 int64_t molecules, int64_t divisor) {
+                                 int64_t molecules, int64_t divisor, bool zero_blocks_exact) {
   check_energies_args(aev, molecules, divisor);
   const at::Tensor values = std::get<0>(ensemble_mlp_cpu(aev, atoms, sizes, columns, first, packs,
-                                                         panels, layers, members, false));
+                                                         panels, layers, members, false,
+                                                         zero_blocks_exact));
   return energies_from_values(values, molecules, divisor);
 }
 
@@ -491,15 +529,6 @@ std::tuple<bool, int64_t> weights_state(at::TensorList params) {
     mix(p.is_inference() ? 0 : static_cast<uint64_t>(p._version()));
   }
   return {requires_grad, static_cast<int64_t>(h >> 1)};
-}
-
-// Whether any of p[0 .. n) is nonzero (NaN counts, as ne(0) does); no early
-// exit, so that the loop vectorises.
-template <typename T>
-bool any_nonzero(const T* p, int64_t n) {
-  int nonzero = 0;
-  for (int64_t c = 0; c < n; ++c) nonzero |= p[c] != T(0);
-  return nonzero != 0;
 }
 
 std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
@@ -589,6 +618,26 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
   for (int64_t a = 0; a < n; ++a) {
     const int64_t k = key(a);
     if (k >= 0) ap[next[k]++] = a;
+  }
+  // Within a group, atoms with the same zero chunks of the AEV (16 columns:
+  // blocks of neighbour elements or pairs that an atom lacks) side by side, so
+  // that ensemble_mlp's tiles of rows skip more of them; ties in index order.
+  if (aev.has_value() && total > 1) {
+    const at::Tensor x = aev->contiguous();
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == n, "group_atoms: aev must be (", n,
+                ", features), got ", x.sizes());
+    const int64_t F = x.size(1), chunks = std::min<int64_t>(F / 16, 64);
+    std::vector<uint64_t> pattern(static_cast<size_t>(n), 0);
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_atoms", [&] {
+      const scalar_t* xp = x.data_ptr<scalar_t>();
+      at::parallel_for(0, total, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i)
+          pattern[ap[i]] = nonzero_chunks(xp + ap[i] * F, 16 * chunks);
+      });
+    });
+    for (int64_t k = 0, begin = 0; k < 2 * S; begin += size[k], ++k)
+      std::stable_sort(ap + begin, ap + begin + size[k],
+                       [&](int64_t a, int64_t b) { return pattern[a] < pattern[b]; });
   }
   at::Tensor info = at::empty({groups, 3}, e.options());
   int64_t* ip = info.data_ptr<int64_t>();

@@ -231,10 +231,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
 // 0 for rows of aev in no group (padding); and, if input_grad, the
 // flat concatenation over groups of J_g = d(sum over members)/d(used columns),
 // (sizes[g], K_g) each; otherwise an empty tensor. Not differentiable itself.
+// With the panels, layer 1 skips the 16-column chunks of the AEV that are 0 in
+// all rows of a tile of atoms (exact). zero_blocks_exact: the caller vouches
+// that such chunks have a zero derivative too (torchani_fast's AEV, whose
+// cutoff is not 0 inside the cutoff): J is then 0 there instead of computed.
 std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
     const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
     at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
-    at::IntArrayRef layers, int64_t members, bool input_grad);
+    at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact);
 
 // The AEV gradient (atoms, features) of ensemble_mlp's values when every
 // member's row of grad_values (members, atoms) is the same at `atoms` (an
@@ -254,12 +258,13 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
 at::Tensor ensemble_atomic_cpu(const at::Tensor& aev, const at::Tensor& atoms,
                                at::IntArrayRef sizes, at::TensorList columns,
                                at::TensorList first, at::TensorList packs,
-                               at::TensorList panels, at::IntArrayRef layers, int64_t members);
+                               at::TensorList panels, at::IntArrayRef layers, int64_t members,
+                               bool zero_blocks_exact);
 at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& atoms,
                                     at::IntArrayRef sizes, at::TensorList columns,
                                     at::TensorList first, at::TensorList packs,
                                     at::TensorList panels, at::IntArrayRef layers,
-                                    int64_t members);
+                                    int64_t members, bool zero_blocks_exact);
 
 // ensemble_energies: ensemble_atomic's values reduced to energies
 // (molecules,): summed over each molecule's atoms (aev holds molecules x atoms
@@ -272,12 +277,13 @@ at::Tensor ensemble_energies_cpu(const at::Tensor& aev, const at::Tensor& atoms,
                                  at::IntArrayRef sizes, at::TensorList columns,
                                  at::TensorList first, at::TensorList packs,
                                  at::TensorList panels, at::IntArrayRef layers, int64_t members,
-                                 int64_t molecules, int64_t divisor);
+                                 int64_t molecules, int64_t divisor, bool zero_blocks_exact);
 at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& atoms,
                                       at::IntArrayRef sizes, at::TensorList columns,
                                       at::TensorList first, at::TensorList packs,
                                       at::TensorList panels, at::IntArrayRef layers,
-                                      int64_t members, int64_t molecules, int64_t divisor);
+                                      int64_t members, int64_t molecules, int64_t divisor,
+                                      bool zero_blocks_exact);
 
 // weights_state (ensemble_cpu.cpp): whether any of params requires grad, and a
 // fingerprint of their storages, offsets and version counters, which changes

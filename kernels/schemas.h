@@ -32,18 +32,19 @@ constexpr const char* kAevLocalDerivatives =
     ") -> (Tensor local_atoms, Tensor jacobian, Tensor curvature)";
 constexpr const char* kEnsembleMlp =
     "ensemble_mlp(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
-    "Tensor[] packs, Tensor[] panels, int[] layers, int members, bool input_grad) -> (Tensor values, "
-    "Tensor jacobian)";
+    "Tensor[] packs, Tensor[] panels, int[] layers, int members, bool input_grad, "
+    "bool zero_blocks_exact=False) -> (Tensor values, Tensor jacobian)";
 constexpr const char* kEnsembleMlpBackward =
     "ensemble_mlp_backward(Tensor grad_values, Tensor atoms, int[] sizes, Tensor[] columns, "
     "Tensor jacobian, int features) -> Tensor";
 constexpr const char* kEnsembleAtomic =
     "ensemble_atomic(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
-    "Tensor[] packs, Tensor[] panels, int[] layers, int members) -> Tensor";
+    "Tensor[] packs, Tensor[] panels, int[] layers, int members, bool zero_blocks_exact=False) -> "
+    "Tensor";
 constexpr const char* kEnsembleEnergies =
     "ensemble_energies(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
-    "Tensor[] packs, Tensor[] panels, int[] layers, int members, int molecules, int divisor) -> "
-    "Tensor";
+    "Tensor[] packs, Tensor[] panels, int[] layers, int members, int molecules, int divisor, "
+    "bool zero_blocks_exact=False) -> Tensor";
 constexpr const char* kGroupAtoms =
     "group_atoms(Tensor elem_idxs, int num_species, Tensor? aev=None, int radial_sublen=0, "
     "int split_min_atoms=0) -> (Tensor atoms, Tensor groups)";

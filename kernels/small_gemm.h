@@ -7,6 +7,13 @@
 //                           output column: dot products (AVX2 for float32)
 //   gemm_nt(A, B, D)      = (A B^T) * D, or C (+)= A B^T      any dtype, BLAS
 //
+// Zero chunks: panel_gemm may be given, per row, bitmasks of 16-column chunks
+// (bit c: columns 16c .. 16c+15, at most 64 chunks). a_chunks: A's chunks
+// that are not all zero; a tile of rows multiplies only the chunks set in any
+// of its rows (the others add exact zeros). c_chunks: C's chunks wanted; a
+// tile stores 0 (accumulating: leaves C) in the chunks none of its rows wants.
+// panel_nt takes c_chunks likewise, per row.
+//
 // panel_gemm reads W as column panels of 16, each (k, 16) and contiguous (the
 // "panels" nn.py packs once): a panel streams from memory once and stays in L1
 // while every row of A is multiplied by it. For 4-64 rows this is about 2x a
@@ -71,13 +78,41 @@ void blas(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, int64_t
 }
 
 #ifdef TF_SIMD_AVX2
-// Rows 0..R of C[:, 0:16] = epilogue(A W), W one (k, 16) panel, contiguous.
+constexpr uint64_t kAllChunks = ~uint64_t(0);
+
+// The OR of rows[0 .. count) (all chunks without rows).
+inline uint64_t chunks_of(const uint64_t* rows, int64_t count) {
+  if (rows == nullptr) return kAllChunks;
+  uint64_t bits = 0;
+  for (int64_t r = 0; r < count; ++r) bits |= rows[r];
+  return bits;
+}
+
+// acc[r] += A[r, p0:p1] W[p0:p1, 0:16] for rows r < R.
+template <int R>
+TF_AVX2_INLINE void panel_steps(__m256 (&acc)[R][2], const float* a, int64_t lda, const float* w,
+                                int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    // The panel's line 16 rows ahead (prefetching past its end is harmless):
+    // 5-10% on small molecules, whose weights come from L3 or memory.
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * (p + 16)), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + 16 * p), w1 = _mm256_loadu_ps(w + 16 * p + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + p);
+      acc[r][0] = _mm256_fmadd_ps(x, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, w1, acc[r][1]);
+    }
+  }
+}
+
+// Rows 0..R of C[:, 0:16] = epilogue(A W), W one (k, 16) panel, contiguous,
+// over A's chunks in `chunks` (kAllChunks: all of k).
 // Accumulators start at `bias` (16 values) if given, else at C (accumulate) or 0;
 // the result is multiplied by D (ldd) if given.
 template <int R>
 TF_AVX2_INLINE void panel_rows(
-    const float* a, int64_t lda, const float* w, int64_t k, const float* bias, bool accumulate,
-    const float* d, int64_t ldd, float* c, int64_t ldc) {
+    const float* a, int64_t lda, const float* w, int64_t k, uint64_t chunks, const float* bias,
+    bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
     if (bias != nullptr) {
@@ -90,15 +125,12 @@ TF_AVX2_INLINE void panel_rows(
       acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     }
   }
-  for (int64_t p = 0; p < k; ++p) {
-    // The panel's line 16 rows ahead (prefetching past its end is harmless):
-    // 5-10% on small molecules, whose weights come from L3 or memory.
-    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * (p + 16)), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + 16 * p), w1 = _mm256_loadu_ps(w + 16 * p + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r * lda + p);
-      acc[r][0] = _mm256_fmadd_ps(x, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(x, w1, acc[r][1]);
+  if (chunks == kAllChunks) {
+    panel_steps<R>(acc, a, lda, w, 0, k);
+  } else {
+    for (uint64_t left = chunks; left != 0; left &= left - 1) {
+      const int64_t p0 = 16 * __builtin_ctzll(left);
+      panel_steps<R>(acc, a, lda, w, p0, p0 + 16);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -113,27 +145,34 @@ TF_AVX2_INLINE void panel_rows(
 
 // C (m x n) = epilogue(A (m x k) W), W (k x n) stored as n/16 panels of (k, 16),
 // each contiguous: a panel streams from memory once and stays in L1 over the rows.
+// Tiles of 6 rows skip the chunks of a_chunks and c_chunks (per row, or
+// nullptr) that none of their rows has.
 TF_AVX2 inline void panel_gemm_avx2(
     int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
-    const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc) {
+    const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
+    const uint64_t* a_chunks, const uint64_t* c_chunks) {
   for (int64_t j = 0; j < n; j += 16) {
     const float* wj = w + j * k;
     const float* bj = bias ? bias + j : nullptr;
-    int64_t r = 0;
-    for (; r + 6 <= m; r += 6) {
-      panel_rows<6>(a + r * lda, lda, wj, k, bj, accumulate, d ? d + r * ldd + j : nullptr, ldd,
-                    c + r * ldc + j, ldc);
-    }
-    const float* ar = a + r * lda;
-    const float* dr = d ? d + r * ldd + j : nullptr;
-    float* cr = c + r * ldc + j;
-    switch (m - r) {
-      case 5: panel_rows<5>(ar, lda, wj, k, bj, accumulate, dr, ldd, cr, ldc); break;
-      case 4: panel_rows<4>(ar, lda, wj, k, bj, accumulate, dr, ldd, cr, ldc); break;
-      case 3: panel_rows<3>(ar, lda, wj, k, bj, accumulate, dr, ldd, cr, ldc); break;
-      case 2: panel_rows<2>(ar, lda, wj, k, bj, accumulate, dr, ldd, cr, ldc); break;
-      case 1: panel_rows<1>(ar, lda, wj, k, bj, accumulate, dr, ldd, cr, ldc); break;
-      default: break;
+    for (int64_t r = 0; r < m; r += 6) {
+      const int64_t rows = std::min<int64_t>(6, m - r);
+      float* cr = c + r * ldc + j;
+      if (c_chunks != nullptr && ((chunks_of(c_chunks + r, rows) >> (j / 16)) & 1) == 0) {
+        if (!accumulate)
+          for (int64_t q = 0; q < rows; ++q) std::memset(cr + q * ldc, 0, 16 * sizeof(float));
+        continue;
+      }
+      const uint64_t kc = a_chunks != nullptr ? chunks_of(a_chunks + r, rows) : kAllChunks;
+      const float* ar = a + r * lda;
+      const float* dr = d ? d + r * ldd + j : nullptr;
+      switch (rows) {
+        case 6: panel_rows<6>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
+        case 5: panel_rows<5>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
+        case 4: panel_rows<4>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
+        case 3: panel_rows<3>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
+        case 2: panel_rows<2>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
+        default: panel_rows<1>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
+      }
     }
   }
 }
@@ -166,14 +205,20 @@ TF_AVX2_INLINE void panel_nt_row(const float* g, const float* w, int64_t k, int6
 // panels (n/16 of (k, 16)); times D (ldd) if given, else stored or added.
 // For one to a few rows the product is bound by reading W, and the forward
 // pass has just brought these panels into cache, which W^T's panels are not.
+// Row r skips (0, or C kept) the chunks not in c_chunks[r] (if given).
 TF_AVX2 inline void panel_nt_avx2(int64_t m, int64_t k, int64_t n, const float* g, int64_t ldg,
                                   const float* w, bool accumulate, const float* d, int64_t ldd,
-                                  float* c, int64_t ldc) {
+                                  float* c, int64_t ldc, const uint64_t* c_chunks) {
   for (int64_t r = 0; r < m; ++r) {
     const float* gr = g + r * ldg;
     const float* dr = d != nullptr ? d + r * ldd : nullptr;
+    const uint64_t wanted = c_chunks != nullptr ? c_chunks[r] : kAllChunks;
     for (int64_t i = 0; i < k; i += 4) {
       const float* di = dr != nullptr ? dr + i : nullptr;
+      if (((wanted >> (i / 16)) & 1) == 0) {
+        if (!accumulate) std::memset(c + r * ldc + i, 0, std::min<int64_t>(4, k - i) * sizeof(float));
+        continue;
+      }
       switch (std::min<int64_t>(4, k - i)) {
         case 4: panel_nt_row<4>(gr, w + 16 * i, k, n, accumulate, di, c + r * ldc + i); break;
         case 3: panel_nt_row<3>(gr, w + 16 * i, k, n, accumulate, di, c + r * ldc + i); break;
@@ -218,22 +263,25 @@ inline bool panels_supported() {
 }
 
 // C (m x n) = epilogue(A W) as in panel_rows; n % 16 == 0; needs panels_supported().
+// a_chunks / c_chunks: the zero chunks (per row, or nullptr; k / n <= 1024 when given).
 inline void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                        const float* w, const float* bias, bool accumulate, const float* d,
-                       int64_t ldd, float* c, int64_t ldc) {
+                       int64_t ldd, float* c, int64_t ldc, const uint64_t* a_chunks = nullptr,
+                       const uint64_t* c_chunks = nullptr) {
 #ifdef TF_SIMD_AVX2
-  panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc);
+  panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks);
 #else
   TORCH_CHECK(false, "panel_gemm needs an x86-64 CPU with AVX2");
 #endif
 }
 
 // C (m x k) = G W^T from W's forward panels, as panel_nt_avx2; n % 16 == 0;
-// needs panels_supported().
+// needs panels_supported(). c_chunks: C's chunks wanted (per row, or nullptr; k <= 1024).
 inline void panel_nt(int64_t m, int64_t k, int64_t n, const float* g, int64_t ldg, const float* w,
-                     bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc) {
+                     bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
+                     const uint64_t* c_chunks = nullptr) {
 #ifdef TF_SIMD_AVX2
-  panel_nt_avx2(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc);
+  panel_nt_avx2(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc, c_chunks);
 #else
   TORCH_CHECK(false, "panel_nt needs an x86-64 CPU with AVX2");
 #endif

@@ -333,3 +333,42 @@ def test_group_atoms_is_a_stable_sort_by_element(int_dtype):
     assert atoms.shape == (0,) and groups.shape == (0, 3)
     with pytest.raises(RuntimeError, match="aev must be"):
         torch.ops.torchani_fast.group_atoms(elem, 4, torch.zeros(5, 64), 16, 1)
+
+
+@pytest.mark.parametrize("sizes", [[70, 5, 130], [2, 1, 9]], ids=["blocks", "one-two-rows"])
+def test_zero_chunks(sizes):
+    # AEV rows with 16-column chunks of zeros (of the columns a group reads): the
+    # float32 panel kernels skip a chunk in a tile of rows when it is 0 in all of
+    # them. The values are those of the reference (and do not depend on the
+    # flag). J is the reference's unless zero_blocks_exact: then it is 0 in the
+    # chunks skipped, and still the reference's wherever the row's chunk is not 0.
+    members = 3
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(
+        torch.float32, members, [32, 16, 16], [48, 32, 64], sizes)
+    g = torch.Generator().manual_seed(3)
+    dead = []  # per group: a chunk that is 0 in all its rows
+    for atoms_g, cols in zip(atoms.split(sizes), columns):
+        n_chunks = cols.shape[0] // 16
+        zero = torch.rand(len(atoms_g), n_chunks, generator=g) < 0.4
+        zero[:, n_chunks - 1] = True
+        zero[0] = True  # a row with no nonzero chunk at all
+        for r, a in enumerate(atoms_g.tolist()):
+            for c in zero[r].nonzero().flatten().tolist():
+                aev[a, cols[16 * c: 16 * c + 16]] = 0
+        dead.append(n_chunks - 1)
+    panels = panels_of(first, packs, layers, members)
+    v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    v0, j0 = op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True, False)
+    v1, j1 = op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True, True)
+    torch.testing.assert_close(v0, v_ref, **tol)
+    assert torch.equal(v0, v1)
+    torch.testing.assert_close(j0, j_ref, **tol)
+    off = 0
+    for atoms_g, cols, c in zip(atoms.split(sizes), columns, dead):
+        k = cols.shape[0]
+        j1_g, jr_g = j1[off: off + len(atoms_g) * k].view(-1, k), j_ref[off: off + len(atoms_g) * k].view(-1, k)
+        off += len(atoms_g) * k
+        assert (j1_g[:, 16 * c: 16 * c + 16] == 0).all() and (jr_g[:, 16 * c: 16 * c + 16] != 0).any()
+        nonzero = (aev[atoms_g][:, cols].view(len(atoms_g), -1, 16) != 0).any(2).repeat_interleave(16, 1)
+        torch.testing.assert_close(j1_g[nonzero], jr_g[nonzero], **tol)

@@ -628,17 +628,50 @@ def test_rare_element_split_at_the_cutoff_tail():
     ref_error = float((f_ref.double() - f64).abs().max())
     assert float((f.double() - f64).abs().max()) <= 2 * ref_error
     # Networks fused with another AEV computer (TorchANI's) do not split; model[i]
-    # splits as its ensemble does.
-    assert fuse_networks(copy.deepcopy(ref.potentials["nnp"].neural_networks),
-                         ref.potentials["nnp"].aev_computer).split_min_atoms == 0
-    assert nn[0].split_min_atoms == nn.split_min_atoms > 0
+    # does as its ensemble does.
+    other = fuse_networks(copy.deepcopy(ref.potentials["nnp"].neural_networks), ref.potentials["nnp"].aev_computer)
+    assert not other.zero_blocks_exact and len(set(other._groups(elem.flatten(), aev)[2])) == 1
+    assert nn.zero_blocks_exact and nn[0].zero_blocks_exact and nn[0].split_min_atoms == nn.split_min_atoms
+
+
+def test_forces_at_the_angular_cutoff_tail():
+    # 2iuz with hydrogen 30 moved to 3.5 (1 - 6e-5) A from oxygen 0, its only O
+    # within the angular cutoff: TorchANI's float32 cutoff is exactly 0 there, so
+    # its (O, X) angular blocks would be 0 with a nonzero derivative, and the op's
+    # backward, which skips zero chunks, would drop a 1.9e-6 Ha/A term. With
+    # torchani_fast's AEV the blocks are not 0 and the forces are as close to
+    # TorchANI's float64 ones as TorchANI's float32 forces are.
+    ref, fast = model_pair("ANI2x", torch.float32)
+    species, coords = padded_batch(["2iuz_ligand.xyz"], torch.float32, empty_row=False)
+    z = species[0]
+    h, o = 30, 0
+    assert int(z[h]) == 1 and int(z[o]) == 8
+    rc = float(ref.potentials["nnp"].aev_computer.angular.cutoff)
+    u = (coords[0, h] - coords[0, o]).double()
+    coords[0, h] = (coords[0, o].double() + rc * (1 - 6e-5) * u / u.norm()).float()
+    dist = torch.linalg.vector_norm(coords[0] - coords[0, h], dim=1)
+    assert int(((z == 8) & (dist < rc)).sum()) == 1 and float(dist[dist > 0].min()) > 0.9
+    _, f64 = energy_forces(copy.deepcopy(ref).double(), species, coords.double())
+    _, f_ref = energy_forces(ref, species, coords)
+    _, f = energy_forces(fast, species, coords)
+    assert float((f.double() - f64).abs().max()) <= 2 * float((f_ref.double() - f64).abs().max())
+
+
+def assert_same_groups(native, aten, aev):
+    """The same groups (elements, column masks, sizes, atoms); the CPU op orders a
+    group's atoms by their AEV's zero 16-column chunks, then by index."""
+    assert native[1:] == aten[1:]
+    chunks = (aev.view(aev.shape[0], -1, 16) != 0).any(2).long()
+    pattern = (chunks << torch.arange(chunks.shape[1])).sum(1)
+    for a, b in zip(native[0].split(native[3]), aten[0].split(aten[3])):
+        assert torch.equal(a, b[torch.argsort(pattern[b], stable=True)])
 
 
 @pytest.mark.parametrize("split_min_atoms", [32, 64])
 def test_grouping_op_matches_the_aten_grouping(split_min_atoms):
-    # torchani_fast::group_atoms (CPU) groups atoms exactly as the ATen code that
-    # other devices run: the same atoms in the same order, elements, column masks
-    # and sizes; with rare elements (splits, small.xyz with one S, then a second
+    # torchani_fast::group_atoms (CPU) groups atoms as the ATen code that other
+    # devices run: the same atoms, elements, column masks and sizes (in the same
+    # order without the AEV; with it, see assert_same_groups); with rare elements (splits, small.xyz with one S, then a second
     # molecule without it), padding, and without the AEV (composition only).
     _, fast = model_pair("ANI2x", torch.float32)
     nn = fast.potentials["nnp"].neural_networks
@@ -648,17 +681,16 @@ def test_grouping_op_matches_the_aten_grouping(split_min_atoms):
     species[1, (species[1] == 7).nonzero()[:2, 0]] = 17
     elem = fast.species_converter(species)
     aev = fast.potentials["nnp"].aev_computer(elem, coords).flatten(0, 1)
-    for native, aten in ((nn._groups(elem.flatten(), aev), nn._aten_groups(elem.flatten(), aev)),
-                         (nn._composition_groups(elem.flatten()), nn._aten_composition_groups(elem.flatten()))):
-        assert torch.equal(native[0], aten[0])
-        assert native[1:] == aten[1:]
+    native, aten = nn._composition_groups(elem.flatten()), nn._aten_composition_groups(elem.flatten())
+    assert torch.equal(native[0], aten[0]) and native[1:] == aten[1:]
+    assert_same_groups(nn._groups(elem.flatten(), aev), nn._aten_groups(elem.flatten(), aev), aev)
     assert len(set(nn._groups(elem.flatten(), aev)[2])) > 1  # a split happened
     # Large enough to consider a split, but none is worth it (small.xyz as shipped).
     plain_species, plain_coords = padded_batch(["small.xyz"], torch.float32)
     plain_elem = fast.species_converter(plain_species)
     plain = fast.potentials["nnp"].aev_computer(plain_elem, plain_coords).flatten(0, 1)
-    native, aten = nn._groups(plain_elem.flatten(), plain), nn._aten_groups(plain_elem.flatten(), plain)
-    assert torch.equal(native[0], aten[0]) and native[1:] == aten[1:]
+    native = nn._groups(plain_elem.flatten(), plain)
+    assert_same_groups(native, nn._aten_groups(plain_elem.flatten(), plain), plain)
     assert len(set(native[2])) == 1
     atoms, info = torch.ops.torchani_fast.group_atoms(elem.flatten().int(), nn.num_species, aev, nn.radial_sublen,
                                                       split_min_atoms)

@@ -334,7 +334,8 @@ def _aev_local_derivatives_fake(grad_aev, columns, species, pairs, diff_vectors,
 
 
 @torch.library.register_fake("torchani_fast::ensemble_mlp")
-def _ensemble_mlp_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members, input_grad):
+def _ensemble_mlp_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members, input_grad,
+                       zero_blocks_exact=False):
     torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
     torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
     jac = sum(n * c.shape[0] for n, c in zip(sizes, columns)) if input_grad else 0
@@ -342,7 +343,8 @@ def _ensemble_mlp_fake(aev, atoms, sizes, columns, first, packs, panels, layers,
 
 
 @torch.library.register_fake("torchani_fast::ensemble_atomic")
-def _ensemble_atomic_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members):
+def _ensemble_atomic_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members,
+                          zero_blocks_exact=False):
     torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
     torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
     return aev.new_empty((members, aev.shape[0]))
@@ -350,7 +352,7 @@ def _ensemble_atomic_fake(aev, atoms, sizes, columns, first, packs, panels, laye
 
 @torch.library.register_fake("torchani_fast::ensemble_energies")
 def _ensemble_energies_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members,
-                            molecules, divisor):
+                            molecules, divisor, zero_blocks_exact=False):
     torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
     torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
     return aev.new_empty((molecules,))

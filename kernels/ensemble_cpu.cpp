@@ -154,6 +154,20 @@ inline bool distinct_in_range(const at::Tensor& idx, int64_t end) {
   return true;
 }
 
+#ifdef TF_SIMD_AVX2
+TF_AVX2 uint64_t nonzero_chunks_avx2(const float* row, const int64_t* starts, int64_t count) {
+  const __m256 zero = _mm256_setzero_ps();
+  uint64_t bits = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const float* p = row + starts[i];
+    const __m256 a = _mm256_cmp_ps(_mm256_loadu_ps(p), zero, _CMP_NEQ_UQ);
+    const __m256 b = _mm256_cmp_ps(_mm256_loadu_ps(p + 8), zero, _CMP_NEQ_UQ);
+    bits |= uint64_t(_mm256_movemask_ps(_mm256_or_ps(a, b)) != 0) << (starts[i] / 16);
+  }
+  return bits;
+}
+#endif
+
 // Whether any of p[0 .. n) is nonzero (NaN counts, as ne(0) does); no early
 // exit, so that the loop vectorises.
 template <typename T>
@@ -163,12 +177,29 @@ bool any_nonzero(const T* p, int64_t n) {
   return nonzero != 0;
 }
 
-// Bit c: x[16c .. 16c + 15] is not all zero (n = 16 * chunks, at most 64 chunks).
+// Bit c / 16 for each chunk start c of `starts` (count of them, c < 1024):
+// row[c .. c + 15] is not all zero (NaN counts).
 template <typename T>
-uint64_t nonzero_chunks(const T* x, int64_t n) {
+uint64_t nonzero_chunks(const T* row, const int64_t* starts, int64_t count) {
+#ifdef TF_SIMD_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (simd::have_avx2()) return nonzero_chunks_avx2(row, starts, count);
+  }
+#endif
   uint64_t bits = 0;
-  for (int64_t c = 0; c < n / 16; ++c) bits |= uint64_t(any_nonzero(x + 16 * c, 16)) << c;
+  for (int64_t i = 0; i < count; ++i)
+    bits |= uint64_t(any_nonzero(row + starts[i], 16)) << (starts[i] / 16);
   return bits;
+}
+
+// 0, 16, 32, ...: the chunks of a whole row.
+const int64_t* every_chunk() {
+  static const std::vector<int64_t> starts = [] {
+    std::vector<int64_t> s(64);
+    for (int64_t c = 0; c < 64; ++c) s[c] = 16 * c;
+    return s;
+  }();
+  return starts.data();
 }
 
 // Layer l of member m: out (rows, d_out) = h W_l + b_l. With the panels, `chunks`
@@ -252,7 +283,8 @@ void run_task(const GroupNet<T>& net, const Task& task, int64_t member_begin, in
   const uint64_t* chunks = nullptr;
   if (!net.panel_fwd.empty() && in_dim % 16 == 0 && in_dim <= 16 * 64) {
     chunk_bits.resize(static_cast<size_t>(rows));
-    for (int64_t r = 0; r < rows; ++r) chunk_bits[r] = nonzero_chunks(x + r * in_dim, in_dim);
+    for (int64_t r = 0; r < rows; ++r)
+      chunk_bits[r] = nonzero_chunks(x + r * in_dim, every_chunk(), in_dim / 16);
     chunks = chunk_bits.data();
   }
   T* jac_rows = input_grad ? jac + net.jac_offset + task.row0 * in_dim : nullptr;
@@ -622,17 +654,36 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
   // Within a group, atoms with the same zero chunks of the AEV (16 columns:
   // blocks of neighbour elements or pairs that an atom lacks) side by side, so
   // that ensemble_mlp's tiles of rows skip more of them; ties in index order.
+  // Only the chunks that the composition can fill are read (TorchANI's layout:
+  // radial blocks, then the pairs' angular blocks in row-major triangle order;
+  // all chunks if the AEV has another shape). The order is a heuristic: the
+  // op finds the zero chunks from the data.
   if (aev.has_value() && total > 1) {
     const at::Tensor x = aev->contiguous();
     TORCH_CHECK(x.dim() == 2 && x.size(0) == n, "group_atoms: aev must be (", n,
                 ", features), got ", x.sizes());
     const int64_t F = x.size(1), chunks = std::min<int64_t>(F / 16, 64);
+    const int64_t R = radial_sublen, pairs = S * (S + 1) / 2, angular = F - S * R;
+    std::vector<int64_t> read;  // first column of each chunk read
+    if (R > 0 && R % 16 == 0 && angular > 0 && angular % (16 * pairs) == 0 && F <= 16 * 64) {
+      const int64_t W = angular / pairs;
+      auto add = [&](int64_t col, int64_t width) {
+        for (int64_t c = col; c < col + width; c += 16) read.push_back(c);
+      };
+      for (int64_t s = 0; s < S; ++s)
+        if ((composition >> s) & 1) add(s * R, R);
+      for (int64_t s1 = 0, p = 0; s1 < S; ++s1)
+        for (int64_t s2 = s1; s2 < S; ++s2, ++p)
+          if ((composition >> s1) & (composition >> s2) & 1) add(S * R + p * W, W);
+    } else {
+      for (int64_t c = 0; c < chunks; ++c) read.push_back(16 * c);
+    }
     std::vector<uint64_t> pattern(static_cast<size_t>(n), 0);
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_atoms", [&] {
       const scalar_t* xp = x.data_ptr<scalar_t>();
       at::parallel_for(0, total, 256, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i)
-          pattern[ap[i]] = nonzero_chunks(xp + ap[i] * F, 16 * chunks);
+          pattern[ap[i]] = nonzero_chunks(xp + ap[i] * F, read.data(), static_cast<int64_t>(read.size()));
       });
     });
     for (int64_t k = 0, begin = 0; k < 2 * S; begin += size[k], ++k)

@@ -151,6 +151,8 @@ TF_AVX2 inline void panel_gemm_avx2(
     int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
     const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
     const uint64_t* a_chunks, const uint64_t* c_chunks) {
+  // A tile with every chunk of k takes the plain loop over k.
+  const uint64_t all_of_k = k >= 16 * 64 ? kAllChunks : (uint64_t(1) << (k / 16)) - 1;
   for (int64_t j = 0; j < n; j += 16) {
     const float* wj = w + j * k;
     const float* bj = bias ? bias + j : nullptr;
@@ -162,7 +164,8 @@ TF_AVX2 inline void panel_gemm_avx2(
           for (int64_t q = 0; q < rows; ++q) std::memset(cr + q * ldc, 0, 16 * sizeof(float));
         continue;
       }
-      const uint64_t kc = a_chunks != nullptr ? chunks_of(a_chunks + r, rows) : kAllChunks;
+      uint64_t kc = a_chunks != nullptr ? chunks_of(a_chunks + r, rows) : kAllChunks;
+      if ((kc & all_of_k) == all_of_k) kc = kAllChunks;
       const float* ar = a + r * lda;
       const float* dr = d ? d + r * ldd + j : nullptr;
       switch (rows) {

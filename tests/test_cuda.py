@@ -270,6 +270,27 @@ def test_aev_cuda_all_launch_shapes(n_molecules):
 
 
 @requires_cuda
+@requires_cuda
+@pytest.mark.parametrize("dtype,delta", [(torch.float32, 3e-5), (torch.float64, 2e-9)], ids=["f32", "f64"])
+def test_aev_cuda_cutoff_tail(dtype, delta):
+    """Neighbours just inside both cutoffs, where 0.5 cos(pi r / Rc) + 0.5 rounds to
+    0: the CUDA AEV keeps the accurate tail, as the CPU (nonzero blocks; the
+    networks' rare-element split and zero-chunk skipping rely on it)."""
+    aevc = random_model().aev_computer
+    rc_r, rc_a, r_len = float(aevc.radial.cutoff), float(aevc.angular.cutoff), int(aevc.radial.num_feats)
+    species = torch.tensor([[1, 3, 0, 2]])  # C, then O at the radial cutoff, H at the angular one, N
+    x = torch.tensor([[[0.0, 0.0, 0.0], [-rc_r * (1 - delta), 0.0, 0.0],
+                       [rc_a * (1 - delta), 0.0, 0.0], [0.0, 1.1, 0.0]]], dtype=dtype)
+    pairs, images = ops.neighbor_pairs(species, x, None, None, CUTOFF, False)
+    diff = diff_vectors(x, None, pairs, images)
+    a_cpu = ops.aev(species, pairs, diff, *aev_args(aevc, "cpu", dtype))
+    a_gpu = ops.aev(species.cuda(), pairs.cuda(), diff.cuda(), *aev_args(aevc, "cuda", dtype)).cpu()
+    torch.testing.assert_close(a_gpu, a_cpu, **_tol(dtype))
+    p = int(aevc.triu_index[0, 2])
+    assert a_gpu[0, 0, 3 * r_len: 4 * r_len].max() > 0  # the O's radial block
+    assert a_gpu[0, 0, 7 * r_len + 32 * p: 7 * r_len + 32 * (p + 1)].max() > 0  # the (H, N) angular block
+
+
 def test_aev_cuda_deterministic():
     species, pairs, diff, args = _aev_inputs("water192", torch.float32, "cuda")
     g = torch.randn(species.shape + (1008,), device="cuda")

@@ -270,7 +270,6 @@ def test_aev_cuda_all_launch_shapes(n_molecules):
 
 
 @requires_cuda
-@requires_cuda
 @pytest.mark.parametrize("dtype,delta", [(torch.float32, 3e-5), (torch.float64, 2e-9)], ids=["f32", "f64"])
 def test_aev_cuda_cutoff_tail(dtype, delta):
     """Neighbours just inside both cutoffs, where 0.5 cos(pi r / Rc) + 0.5 rounds to
@@ -291,6 +290,7 @@ def test_aev_cuda_cutoff_tail(dtype, delta):
     assert a_gpu[0, 0, 7 * r_len + 32 * p: 7 * r_len + 32 * (p + 1)].max() > 0  # the (H, N) angular block
 
 
+@requires_cuda
 def test_aev_cuda_deterministic():
     species, pairs, diff, args = _aev_inputs("water192", torch.float32, "cuda")
     g = torch.randn(species.shape + (1008,), device="cuda")

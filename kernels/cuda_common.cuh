@@ -13,7 +13,6 @@ namespace torchani_fast {
 namespace cuda {
 
 constexpr int kWarp = 32;
-constexpr double kPi = 3.14159265358979323846;
 
 // Same-device check with a message that names the argument and both devices.
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t,

@@ -585,6 +585,14 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
       composition |= int64_t(1) << el;
     }
   }
+  // The AEV, if given: the split and the order within groups read it.
+  at::Tensor x;
+  if (aev.has_value()) {
+    x = aev->contiguous();
+    const int64_t radial = S * std::max<int64_t>(radial_sublen, 0);
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == n && x.size(1) >= radial,
+                "group_atoms: aev must be (", n, ", >= ", radial, "), got ", x.sizes());
+  }
   // Rare elements per element (FusedEnsemble._groups): seen, within the radial
   // cutoff (a nonzero radial block), by at most a quarter of its atoms, when
   // enough atoms see none of them to be worth a second group.
@@ -592,9 +600,6 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
   const bool consider =
       aev.has_value() && radial_sublen > 0 && split_min_atoms > 0 && n >= 2 * split_min_atoms;
   if (consider) {
-    const at::Tensor x = aev->contiguous();
-    TORCH_CHECK(x.dim() == 2 && x.size(0) == n && x.size(1) >= S * radial_sublen,
-                "group_atoms: aev must be (", n, ", >= ", S * radial_sublen, "), got ", x.sizes());
     seen.assign(n, 0);
     std::vector<int64_t> table(S * S, 0);  // [element][neighbour element]: atoms that see it
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_atoms", [&] {
@@ -658,10 +663,7 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
   // radial blocks, then the pairs' angular blocks in row-major triangle order;
   // all chunks if the AEV has another shape). The order is a heuristic: the
   // op finds the zero chunks from the data.
-  if (aev.has_value() && total > 1) {
-    const at::Tensor x = aev->contiguous();
-    TORCH_CHECK(x.dim() == 2 && x.size(0) == n, "group_atoms: aev must be (", n,
-                ", features), got ", x.sizes());
+  if (x.defined() && total > 1) {
     const int64_t F = x.size(1), chunks = std::min<int64_t>(F / 16, 64);
     const int64_t R = radial_sublen, pairs = S * (S + 1) / 2, angular = F - S * R;
     std::vector<int64_t> read;  // first column of each chunk read

@@ -554,7 +554,7 @@ class _FusedBase(AtomicContainer):
         pass over the atoms (``group_atoms``), for CPU tensors: the ATen version
         below took ~15 small ops, 1.4-1.7 ms per call for 1 000-3 000 atoms."""
         atoms, info = torch.ops.torchani_fast.group_atoms(
-            flat, self.num_species, aev, self.radial_sublen, self.split_min_atoms if self.zero_blocks_exact else 0)
+            flat, self.num_species, aev, self.radial_sublen, self._split_min_atoms())
         rows: tp.List[tp.List[int]] = info.tolist()
         elems: tp.List[int] = []
         masks: tp.List[int] = []
@@ -576,11 +576,17 @@ class _FusedBase(AtomicContainer):
             return self._native_groups(flat, aev)
         return self._aten_groups(flat, aev)
 
+    def _split_min_atoms(self) -> int:
+        """``split_min_atoms`` where the rare-element split is allowed (AEVs whose
+        zero blocks mean "no such neighbour"), else 0: no split."""
+        return self.split_min_atoms if self.zero_blocks_exact else 0
+
     def _aten_groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
         """``_groups`` with ATen ops (any device; the CPU takes ``group_atoms``)."""
         num_species = self.num_species
         r = self.radial_sublen
-        if r == 0 or not self.zero_blocks_exact or self.split_min_atoms <= 0 or flat.shape[0] < 2 * self.split_min_atoms:
+        split_min = self._split_min_atoms()
+        if r == 0 or split_min <= 0 or flat.shape[0] < 2 * split_min:
             return self._aten_composition_groups(flat)
         elems: tp.List[int] = []
         masks: tp.List[int] = []
@@ -602,13 +608,13 @@ class _FusedBase(AtomicContainer):
             n = table[e + 1][0]
             bits = 0
             hits = 0
-            if n >= 2 * self.split_min_atoms:
+            if n >= 2 * split_min:
                 for s in range(num_species):
                     c = table[e + 1][1 + s]
                     if c > 0 and 4 * c <= n:
                         bits |= 1 << s
                         hits += c
-                if n - hits < self.split_min_atoms:
+                if n - hits < split_min:
                     bits = 0
             split = split or bits != 0
             rare.append(bits)

@@ -157,7 +157,6 @@ namespace torchani_fast {
 namespace cuda {
 
 constexpr int kWarp = 32;
-constexpr double kPi = 3.14159265358979323846;
 
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
                               const at::Device& device) {

@@ -8,6 +8,7 @@
 
 #include "ops.h"
 #include "schemas.h"
+#include "simd_math.h"
 
 namespace torchani_fast {
 // weights_state of tensors kept on the C++ side (torch.classes.torchani_fast.
@@ -102,10 +103,24 @@ TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
 }
 
 // `from torchani_fast import _C` runs the static registrations above; the module
-// itself is empty (no pybind11), so it only depends on the C API of Python.
+// itself (no pybind11, only the C API of Python) holds one function:
+// _C.simd_level(cap) -> the instruction-set level the CPU kernels use
+// (simd_math.h), after capping it at `cap` if cap >= 0 (torchani_fast.cpu_isa).
+namespace {
+PyObject* simd_level(PyObject*, PyObject* args) {
+  int cap = -1;
+  if (!PyArg_ParseTuple(args, "i", &cap)) return nullptr;
+  if (cap >= 0) torchani_fast::simd::level_cap().store(cap);
+  return PyLong_FromLong(torchani_fast::simd::level());
+}
+PyMethodDef methods[] = {
+    {"simd_level", simd_level, METH_VARARGS, "simd_level(cap) -> level (cap < 0: unchanged)"},
+    {nullptr, nullptr, 0, nullptr}};
+}  // namespace
+
 extern "C" {
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
 }

@@ -16,13 +16,55 @@
 #define TF_SIMD_AVX2 1
 #define TF_AVX2 __attribute__((target("avx2,fma")))
 #define TF_AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
+// The networks' matrix products (small_gemm.h) also have an AVX-512 version.
+#define TF_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")))
+#define TF_AVX512_INLINE \
+  __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma"), always_inline)) inline
+#endif
+
+#include <atomic>
 
 namespace torchani_fast::simd {
 
-inline bool have_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+// Instruction sets of the CPU kernels, in order: 0 none (portable C++),
+// 1 AVX2 + FMA, 2 AVX-512 (F, VL, DQ, BW) for the networks' products.
+constexpr int kScalar = 0, kAvx2 = 1, kAvx512 = 2;
+
+// What this CPU (and its OS) supports.
+inline int detected_level() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const int level = [] {
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return kScalar;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw"))
+      return kAvx512;
+    return kAvx2;
+  }();
+  return level;
+#else
+  return kScalar;
+#endif
 }
+
+// The highest level the kernels may use (torchani_fast.cpu_isa(); tests run
+// every path this CPU has). Set it between calls, not while ops run.
+inline std::atomic<int>& level_cap() {
+  static std::atomic<int> cap{kAvx512};
+  return cap;
+}
+
+inline int level() {
+  const int cap = level_cap().load(std::memory_order_relaxed);
+  return detected_level() < cap ? detected_level() : cap;
+}
+
+inline bool have_avx2() { return level() >= kAvx2; }
+inline bool have_avx512() { return level() >= kAvx512; }
+
+}  // namespace torchani_fast::simd
+
+#if defined(__x86_64__) && defined(__GNUC__)
+namespace torchani_fast::simd {
 
 // exp(u) = s (1 + q): s = 2^n, q = expm1(r), u = n ln2 + r, |r| <= ln2 / 2
 // (Taylor series of expm1 to r^7: relative error < 1e-8). Lanes below -87.3
@@ -45,6 +87,31 @@ TF_AVX2_INLINE void exp_parts(__m256 u, __m256& s, __m256& q) {
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   s = _mm256_and_ps(_mm256_castsi256_ps(bits),
                     _mm256_cmp_ps(u, _mm256_set1_ps(-87.3f), _CMP_GE_OQ));
+}
+
+// exp_parts on 16 lanes: the same operations lane by lane, so the same bits.
+// (GCC 12 warns that its own AVX-512 headers read an uninitialised value, the
+// `_mm512_undefined_*()` source of an unmasked operation; the masked forms
+// with every lane set below are the same instructions without the warning.)
+TF_AVX512_INLINE void exp_parts(__m512 u, __m512& s, __m512& q) {
+  const __mmask16 all = 0xFFFF;
+  const __m512 lo = _mm512_mask_max_ps(u, all, u, _mm512_set1_ps(-87.0f));
+  const __m512 uc = _mm512_mask_min_ps(lo, all, lo, _mm512_set1_ps(88.0f));
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(uc, _mm512_set1_ps(1.44269504088896341f), round), round);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860676533018672e-6f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), uc));
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 5040), _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.5f));
+  q = _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r);
+  const __m512i ni = _mm512_mask_cvtps_epi32(_mm512_setzero_si512(), all, n);
+  const __m512i bits = _mm512_mask_slli_epi32(_mm512_setzero_si512(), all,
+                                              _mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
+  s = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, _mm512_set1_ps(-87.3f), _CMP_GE_OQ),
+                          _mm512_castsi512_ps(bits));
 }
 
 TF_AVX2_INLINE __m256 exp(__m256 u) {

@@ -180,6 +180,110 @@ TF_AVX2 inline void panel_gemm_avx2(
   }
 }
 
+// AVX-512: a tile of up to 6 rows takes up to 4 panels at once (64 columns in
+// 24 accumulators), so that each broadcast of A feeds 4 FMAs and each panel
+// line 6. Every product is summed over k in the same order as in the AVX2
+// kernel, so the two give the same bits.
+template <int R, int P>
+TF_AVX512_INLINE void panel_steps512(__m512 (&acc)[R][P], const float* a, int64_t lda,
+                                     const float* const (&w)[P], int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512 wv[P];
+    for (int q = 0; q < P; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[q] + 16 * (p + 16)), _MM_HINT_T0);
+      wv[q] = _mm512_loadu_ps(w[q] + 16 * p);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * lda + p]);
+      for (int q = 0; q < P; ++q) acc[r][q] = _mm512_fmadd_ps(x, wv[q], acc[r][q]);
+    }
+  }
+}
+
+// Rows 0..R of C[:, cols[q] .. cols[q] + 16] for the P panels q, as panel_rows.
+template <int R, int P>
+TF_AVX512 void panel_tile512(const float* a, int64_t lda, const float* w, int64_t k,
+                             uint64_t chunks, const float* bias, bool accumulate, const float* d,
+                             int64_t ldd, float* c, int64_t ldc, const int64_t* cols) {
+  const float* wq[P];
+  __m512 acc[R][P];
+  for (int q = 0; q < P; ++q) {
+    wq[q] = w + cols[q] * k;
+    for (int r = 0; r < R; ++r) {
+      acc[r][q] = bias != nullptr ? _mm512_loadu_ps(bias + cols[q])
+                  : accumulate    ? _mm512_loadu_ps(c + r * ldc + cols[q])
+                                  : _mm512_setzero_ps();
+    }
+  }
+  if (chunks == kAllChunks) {
+    panel_steps512<R, P>(acc, a, lda, wq, 0, k);
+  } else {
+    for (uint64_t left = chunks; left != 0; left &= left - 1) {
+      const int64_t p0 = 16 * __builtin_ctzll(left);
+      panel_steps512<R, P>(acc, a, lda, wq, p0, p0 + 16);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < P; ++q) {
+      __m512 v = acc[r][q];
+      if (d != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(d + r * ldd + cols[q]));
+      _mm512_storeu_ps(c + r * ldc + cols[q], v);
+    }
+  }
+}
+
+template <int R>
+TF_AVX512 void panel_tile512(int panels, const float* a, int64_t lda, const float* w, int64_t k,
+                             uint64_t chunks, const float* bias, bool accumulate, const float* d,
+                             int64_t ldd, float* c, int64_t ldc, const int64_t* cols) {
+  switch (panels) {
+    case 4: panel_tile512<R, 4>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, cols); break;
+    case 3: panel_tile512<R, 3>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, cols); break;
+    case 2: panel_tile512<R, 2>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, cols); break;
+    default: panel_tile512<R, 1>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, cols); break;
+  }
+}
+
+// panel_gemm_avx2 with AVX-512: groups of 4 panels (the last group may hold
+// fewer), each tile of 6 rows multiplying the panels of the group that
+// c_chunks wants for it, over the chunks of k that a_chunks has.
+TF_AVX512 inline void panel_gemm_avx512(
+    int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
+    const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
+    const uint64_t* a_chunks, const uint64_t* c_chunks) {
+  const uint64_t all_of_k = k >= 16 * 64 ? kAllChunks : (uint64_t(1) << (k / 16)) - 1;
+  for (int64_t j0 = 0; j0 < n; j0 += 64) {
+    const int64_t group_end = std::min<int64_t>(n, j0 + 64);
+    for (int64_t r = 0; r < m; r += 6) {
+      const int64_t rows = std::min<int64_t>(6, m - r);
+      float* cr = c + r * ldc;
+      const uint64_t wanted = c_chunks != nullptr ? chunks_of(c_chunks + r, rows) : kAllChunks;
+      int64_t cols[4];
+      int panels = 0;
+      for (int64_t j = j0; j < group_end; j += 16) {
+        if ((wanted >> (j / 16)) & 1) {
+          cols[panels++] = j;
+        } else if (!accumulate) {
+          for (int64_t q = 0; q < rows; ++q) std::memset(cr + q * ldc + j, 0, 16 * sizeof(float));
+        }
+      }
+      if (panels == 0) continue;
+      uint64_t kc = a_chunks != nullptr ? chunks_of(a_chunks + r, rows) : kAllChunks;
+      if ((kc & all_of_k) == all_of_k) kc = kAllChunks;
+      const float* ar = a + r * lda;
+      const float* dr = d ? d + r * ldd : nullptr;
+      switch (rows) {
+        case 6: panel_tile512<6>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
+        case 5: panel_tile512<5>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
+        case 4: panel_tile512<4>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
+        case 3: panel_tile512<3>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
+        case 2: panel_tile512<2>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
+        default: panel_tile512<1>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
+      }
+    }
+  }
+}
+
 // Row r of C[:, 0:I] = epilogue(g_r W^T) for I <= 4 consecutive rows of W
 // (k x n), read from W's forward panels: `w` points at the first of them in
 // panel 0 (panel stride 16 k). Each accumulator holds 8 of the n products.
@@ -272,6 +376,10 @@ inline void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t 
                        int64_t ldd, float* c, int64_t ldc, const uint64_t* a_chunks = nullptr,
                        const uint64_t* c_chunks = nullptr) {
 #ifdef TF_SIMD_AVX2
+  if (simd::have_avx512()) {
+    panel_gemm_avx512(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks);
+    return;
+  }
   panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks);
 #else
   TORCH_CHECK(false, "panel_gemm needs an x86-64 CPU with AVX2");

@@ -21,4 +21,36 @@ from . import grad  # noqa: E402  (energies_forces_and_hessians)
 from .step import EnergyForcesStep  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["AEVComputer", "EnergyForcesStep", "patch", "is_patched", "ops", "grad", "__version__"]
+__all__ = ["AEVComputer", "EnergyForcesStep", "patch", "is_patched", "ops", "grad", "cpu_isa",
+           "__version__"]
+
+_ISA_LEVELS = ("none", "avx2", "avx512")
+
+
+def cpu_isa(cap: "str | None" = None) -> str:
+    """The instruction set the CPU kernels use: ``"avx512"`` (the networks'
+    matrix products; the rest as avx2), ``"avx2"`` (AVX2 + FMA) or ``"none"``
+    (portable C++), the best this CPU has unless capped.
+
+    ``cpu_isa("avx2")`` caps it from now on (``"avx512"`` lifts the cap), for
+    comparisons and debugging; results agree to float rounding across levels.
+    Change it between calls, not while other threads run ops. The environment
+    variable ``TORCHANI_FAST_CPU_ISA`` sets the cap at import.
+    """
+    if cap is not None and cap not in _ISA_LEVELS:
+        raise ValueError(f"cpu_isa: cap must be one of {_ISA_LEVELS}, got {cap!r}")
+    return _ISA_LEVELS[_C.simd_level(-1 if cap is None else _ISA_LEVELS.index(cap))]
+
+
+def _cap_from_environment() -> None:
+    import os
+
+    cap = os.environ.get("TORCHANI_FAST_CPU_ISA")
+    if cap:
+        try:
+            cpu_isa(cap.strip().lower())
+        except ValueError as exc:
+            raise ValueError(f"TORCHANI_FAST_CPU_ISA={cap!r}: {exc}") from None
+
+
+_cap_from_environment()

@@ -1,0 +1,99 @@
+"""Every instruction set of the CPU kernels on this machine (torchani_fast.cpu_isa).
+
+The networks' float32 products have an AVX2 and an AVX-512 version (and the
+portable path without panels); the AEV, neighbour list and CELU an AVX2 and a
+portable one. Each level this CPU has is checked against plain PyTorch (the
+op) and TorchANI (a patched model); AVX2 and AVX-512 sum every product in the
+same order, so they must agree to the bit.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torchani_fast
+from conftest import MOLECULES, atoms_to_tensors, energy_forces, model_pair, read_molecule
+from test_ensemble_op import make_groups, op, panels_of, reference
+from test_nn import assert_energies, assert_forces
+
+ORDER = ("none", "avx2", "avx512")
+
+
+@pytest.fixture
+def levels():
+    """The levels this CPU runs, lowest first; the cap is restored afterwards."""
+    before = torchani_fast.cpu_isa()
+    best = torchani_fast.cpu_isa("avx512")
+    try:
+        yield ORDER[: ORDER.index(best) + 1]
+    finally:
+        torchani_fast.cpu_isa(before)
+
+
+def run_at(level, fn, *args):
+    assert torchani_fast.cpu_isa(level) == level
+    return fn(*args)
+
+
+# Widths 112 = 64 + 48 and 80 = 64 + 16: AVX-512 tiles of 4, 3 and 1 panels;
+# 2 + 7 + 45 + 23 rows: tiles of 1 to 6 rows (and the <= 2-row backward).
+WIDE = ([112, 80, 32], [48, 96, 64, 32], [2, 7, 45, 23])
+
+
+@pytest.mark.parametrize("zero_chunks", [False, True], ids=["dense", "zero-chunks"])
+def test_op_at_every_level(levels, zero_chunks):
+    members = 3
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float32, members, *WIDE, features=128)
+    if zero_chunks:  # chunks of 16 AEV columns that are 0 in some rows, as real AEVs have
+        g = torch.Generator().manual_seed(5)
+        for atoms_g, cols in zip(atoms.split(sizes), columns):
+            zero = torch.rand(len(atoms_g), cols.shape[0] // 16, generator=g) < 0.5
+            for r, a in enumerate(atoms_g.tolist()):
+                for c in zero[r].nonzero().flatten().tolist():
+                    aev[a, cols[16 * c: 16 * c + 16]] = 0
+    panels = panels_of(first, packs, layers, members)
+    v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
+    out = {}
+    for level in levels:
+        out[level] = run_at(level, op, aev, atoms, sizes, columns, first, packs, panels, layers, members,
+                            True, zero_chunks)
+        values, jac = out[level]
+        torch.testing.assert_close(values, v_ref, rtol=1e-5, atol=1e-5)
+        if not zero_chunks:  # (with the flag, J skips the zero chunks: test_ensemble_op.py)
+            torch.testing.assert_close(jac, j_ref, rtol=1e-5, atol=1e-5)
+    if "avx512" in out:
+        assert torch.equal(out["avx512"][0], out["avx2"][0]) and torch.equal(out["avx512"][1], out["avx2"][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_model_at_every_level(levels, dtype):
+    ref, fast = model_pair("ANI2x", dtype)
+    species, coords, _, _ = atoms_to_tensors(read_molecule("small.xyz"), dtype)
+    e_ref, f_ref = energy_forces(ref, species, coords)
+    results = {}
+    for level in levels:
+        e, f = results[level] = run_at(level, energy_forces, fast, species, coords)
+        assert_energies(e, e_ref, dtype)
+        assert_forces(f, f_ref, dtype)
+    if "avx512" in results:
+        assert torch.equal(results["avx512"][0], results["avx2"][0])
+        assert torch.equal(results["avx512"][1], results["avx2"][1])
+
+
+def test_bad_cap_is_named(levels):
+    with pytest.raises(ValueError, match="'sse4'"):
+        torchani_fast.cpu_isa("sse4")
+    assert torchani_fast.cpu_isa() == levels[-1]  # unchanged
+
+
+def test_cap_from_the_environment():
+    code = "import torchani_fast; print(torchani_fast.cpu_isa())"
+    env = dict(os.environ, TORCHANI_FAST_CPU_ISA="none")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "none", out.stderr
+    env["TORCHANI_FAST_CPU_ISA"] = "avx1024"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "TORCHANI_FAST_CPU_ISA='avx1024'" in out.stderr
+    assert MOLECULES.is_dir()

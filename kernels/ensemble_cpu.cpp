@@ -42,6 +42,13 @@ constexpr int64_t kTargetTasks = 16;  // below this many blocks, members are spl
 // used by the forward pass) instead of W^T's: 3-atom water 1.65 -> 1.47 ms per
 // call; no gain from 4 rows up (2iuz, interleaved A/B).
 constexpr int64_t kNtMaxRows = 2;
+// With AVX-512 (small_gemm::panel_nt_avx512, tiles of 3 rows), blocks of up to
+// this many rows do the same and never read W^T: half the weight bytes per
+// call, which matter when they come from memory (right after another program
+// ran, as in the interleaved benchmark): 2iuz 2.71 -> 2.40 ms, 3o99 4.33 ->
+// 3.89 ms, small.xyz 8.87 -> 8.46 ms; from 64 rows up, small.xyz got slower
+// (9.75 ms), its W^T panels being cheaper than the lane sums at the end.
+constexpr int64_t kNtMaxRows512 = 48;
 constexpr double kAlpha = 0.1;
 
 // ---------------------------------------------------------------------------
@@ -252,7 +259,8 @@ void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, 
                     const T* deriv, bool accumulate, T* out, const uint64_t* chunks) {
   const int64_t din = net.dims[l], dout = net.dims[l + 1];
   if constexpr (std::is_same_v<T, float>) {
-    if (rows <= kNtMaxRows && l < static_cast<int64_t>(net.panel_fwd.size())) {
+    const int64_t nt_rows = simd::have_avx512() ? kNtMaxRows512 : kNtMaxRows;
+    if (rows <= nt_rows && l < static_cast<int64_t>(net.panel_fwd.size())) {
       small_gemm::panel_nt(rows, din, dout, g, dout, net.panel_fwd[l] + m * din * dout, accumulate,
                            deriv, din, out, din, chunks);
       return;

@@ -284,6 +284,89 @@ TF_AVX512 inline void panel_gemm_avx512(
   }
 }
 
+// GCC 12 warns that its own AVX-512 headers read an uninitialised value (the
+// `_mm512_undefined_*()` source of unmasked shuffles; GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// Lane i of the result: the sum of v[i]'s 16 lanes, for i < 8 (24 operations
+// for the 8 sums, instead of 8 full horizontal sums).
+TF_AVX512_INLINE __m256 sums8(const __m512 (&v)[8]) {
+  __m512 t[4];  // t[i]: v[2i] folded to 8 lanes, then v[2i + 1] folded
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  // s0: v[0..3] folded to 4 lanes each (one 128-bit block each), s1: v[4..7]
+  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88),
+                                  _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88),
+                                  _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
+  // block b: [pairs of v[b]], [pairs of v[b + 4]], then the sums in lanes 0 and 2
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y = _mm512_add_ps(x, _mm512_shuffle_ps(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, y));
+}
+
+// Rows 0..R of C[:, 0:8] = epilogue(G W^T) for 8 consecutive rows of W (k x
+// n), read from its forward panels (`w`: the first of the 8 in panel 0, panel
+// stride 16 k): per panel, 16 products of each (row, output) pair in a lane
+// each, summed across lanes at the end.
+template <int R>
+TF_AVX512 void nt_tile512(const float* g, int64_t ldg, const float* w, int64_t k, int64_t n,
+                          bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc) {
+  __m512 acc[R][8];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 8; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < n; p += 16) {
+    const float* wp = w + p * k;
+    __m512 gv[R];
+    for (int r = 0; r < R; ++r) gv[r] = _mm512_loadu_ps(g + r * ldg + p);
+    for (int i = 0; i < 8; ++i) {
+      const __m512 wv = _mm512_loadu_ps(wp + 16 * i);
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(gv[r], wv, acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 s = sums8(acc[r]);
+    if (d != nullptr) s = _mm256_mul_ps(s, _mm256_loadu_ps(d + r * ldd));
+    if (accumulate) s = _mm256_add_ps(s, _mm256_loadu_ps(c + r * ldc));
+    _mm256_storeu_ps(c + r * ldc, s);
+  }
+}
+
+// C (m x k) = G (m x n) W^T (times D, or added to C), W given as its forward
+// panels: panel_nt with AVX-512 for any number of rows, k % 8 == 0. Each slab
+// of 8 rows of W (n x 8 floats) stays in L1 while tiles of 3 rows of G pass
+// over it. A tile skips (0, or C kept) the chunks of c_chunks none of its rows wants.
+TF_AVX512 inline void panel_nt_avx512(int64_t m, int64_t k, int64_t n, const float* g,
+                                      int64_t ldg, const float* w, bool accumulate,
+                                      const float* d, int64_t ldd, float* c, int64_t ldc,
+                                      const uint64_t* c_chunks) {
+  for (int64_t i = 0; i < k; i += 8) {
+    for (int64_t r = 0; r < m; r += 3) {
+      const int64_t rows = std::min<int64_t>(3, m - r);
+      float* cr = c + r * ldc + i;
+      if (c_chunks != nullptr && ((chunks_of(c_chunks + r, rows) >> (i / 16)) & 1) == 0) {
+        if (!accumulate)
+          for (int64_t q = 0; q < rows; ++q) std::memset(cr + q * ldc, 0, 8 * sizeof(float));
+        continue;
+      }
+      const float* gr = g + r * ldg;
+      const float* dr = d != nullptr ? d + r * ldd + i : nullptr;
+      switch (rows) {
+        case 3: nt_tile512<3>(gr, ldg, w + 16 * i, k, n, accumulate, dr, ldd, cr, ldc); break;
+        case 2: nt_tile512<2>(gr, ldg, w + 16 * i, k, n, accumulate, dr, ldd, cr, ldc); break;
+        default: nt_tile512<1>(gr, ldg, w + 16 * i, k, n, accumulate, dr, ldd, cr, ldc); break;
+      }
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
 // Row r of C[:, 0:I] = epilogue(g_r W^T) for I <= 4 consecutive rows of W
 // (k x n), read from W's forward panels: `w` points at the first of them in
 // panel 0 (panel stride 16 k). Each accumulator holds 8 of the n products.
@@ -392,6 +475,10 @@ inline void panel_nt(int64_t m, int64_t k, int64_t n, const float* g, int64_t ld
                      bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
                      const uint64_t* c_chunks = nullptr) {
 #ifdef TF_SIMD_AVX2
+  if (simd::have_avx512() && k % 8 == 0) {
+    panel_nt_avx512(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc, c_chunks);
+    return;
+  }
   panel_nt_avx2(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc, c_chunks);
 #else
   TORCH_CHECK(false, "panel_nt needs an x86-64 CPU with AVX2");

@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -148,6 +149,8 @@ struct GroupNet {
   int64_t rows;         // atoms in the group
   int64_t jac_offset;   // first element of its J in the flat output
   const int64_t* cols;  // used AEV columns (K)
+  // cols as runs of consecutive columns: (first AEV column, first of K, length)
+  std::vector<std::array<int64_t, 3>> runs;
   std::vector<int64_t> dims;     // K, d1, ..., d_L (= 1)
   std::vector<const T*> weight;  // per layer: member 0's weights (d_in, d_out), row-major
   std::vector<int64_t> ld;       // per layer: row stride of the weights
@@ -299,11 +302,11 @@ void run_task(const GroupNet<T>& net, const Task& task, int64_t member_begin, in
     a[l] = act + off;
     d[l] = der + off;
   }
-  // Gather the task's rows once for all its members.
+  // Gather the task's rows once for all its members (a run of columns at a time).
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = aev + atoms[net.rows_begin + task.row0 + r] * features;
     T* dst = x + r * in_dim;
-    for (int64_t c = 0; c < in_dim; ++c) dst[c] = src[net.cols[c]];
+    for (const auto& run : net.runs) std::memcpy(dst + run[1], src + run[0], run[2] * sizeof(T));
   }
   // With the panels, layer 1's forward skips the 16-column chunks of the AEV
   // that are zero in every row of a tile (most atoms lack neighbour pairs of
@@ -399,6 +402,13 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     net.rows = sizes[g];
     net.jac_offset = jac_size;
     net.cols = cols.data_ptr<int64_t>();
+    for (int64_t c = 0; c < k_cols; ++c) {
+      if (c > 0 && net.cols[c] == net.cols[c - 1] + 1) {
+        ++net.runs.back()[2];
+      } else {
+        net.runs.push_back({net.cols[c], c, 1});
+      }
+    }
     const int64_t d1 = w1.size(1) / members;
     net.dims = {k_cols, d1};
     net.weight = {w1.data_ptr<T>()};

@@ -322,7 +322,8 @@ def machine_description(threads):
 
     return (f"{model}, {os.cpu_count()} logical CPUs, {threads} torch threads; "
             f"torch {torch.__version__}, torchani {torchani.__version__}, torchani_fast "
-            f"{torchani_fast.__version__}, Python {platform.python_version()}")
+            f"{torchani_fast.__version__} (CPU kernels: {torchani_fast.cpu_isa()}), "
+            f"Python {platform.python_version()}")
 
 
 def render(rows, errors, rss, peak, threads, load_before, load_after, profile_text, quick):

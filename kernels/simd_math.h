@@ -1,13 +1,16 @@
-// float32 exp and log on 8 lanes (AVX2 + FMA), for the CPU kernels' hot loops:
-// the AEV's radial and angular terms (aev_cpu.cpp) and CELU (ensemble_cpu.cpp).
-// glibc's scalar expf/powf cost 5-20 ns a value; these about 1 ns.
+// The CPU kernels' instruction-set level (level(), have_avx2(), have_avx512():
+// what the CPU has, capped by torchani_fast.cpu_isa()), and float32 exp and
+// log on 8 lanes (AVX2 + FMA) for their hot loops: the AEV's radial and
+// angular terms (aev_cpu.cpp) and CELU (ensemble_cpu.cpp, which also has a
+// 16-lane version through the AVX-512 exp_parts). glibc's scalar expf/powf
+// cost 5-20 ns a value; these about 1 ns.
 //
 // Accuracy: exp within 2 ulp; log within 2 ulp of ln x for normal x; powers as
 // exp(y log x) carry |y| times log's absolute error (about 1e-6 relative at
 // y = 14, the ANI angular zeta), far below the float32 AEV's own rounding in
 // the sums. Functions carry the target attribute themselves; call them only
-// after have_avx2(), and not from lambdas (GCC does not give a lambda its
-// enclosing function's target).
+// after have_avx2() (the 16-lane ones after have_avx512()), and not from
+// lambdas (GCC does not give a lambda its enclosing function's target).
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__)

@@ -74,38 +74,23 @@ void celu_scalar(float* z, float* d, int64_t count) {
 
 #ifdef TF_SIMD_AVX2
 TF_AVX2 void celu_avx2(float* z, float* d, int64_t count) {
-  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
-  const __m256 ten = _mm256_set1_ps(10.0f), alpha = _mm256_set1_ps(static_cast<float>(kAlpha));
+  static_assert(kAlpha == 0.1, "simd::celu01 is CELU(0.1)");
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
-    const __m256 x = _mm256_loadu_ps(z + i);
-    __m256 s, q;
-    simd::exp_parts(_mm256_mul_ps(x, ten), s, q);
-    const __m256 e = _mm256_fmadd_ps(s, q, s);
-    const __m256 em1 = _mm256_fmadd_ps(s, q, _mm256_sub_ps(s, one));
-    const __m256 pos = _mm256_cmp_ps(x, zero, _CMP_NLE_UQ);  // x > 0 or NaN: x passes through
-    _mm256_storeu_ps(d + i, _mm256_blendv_ps(e, one, pos));
-    _mm256_storeu_ps(z + i, _mm256_blendv_ps(_mm256_mul_ps(alpha, em1), x, pos));
+    __m256 deriv;
+    _mm256_storeu_ps(z + i, simd::celu01(_mm256_loadu_ps(z + i), deriv));
+    _mm256_storeu_ps(d + i, deriv);
   }
   celu_scalar(z + i, d + i, count - i);
 }
-#endif
 
-#ifdef TF_SIMD_AVX2
 // celu_avx2 on 16 lanes (the same bits), the rest as celu_avx2.
 TF_AVX512 void celu_avx512(float* z, float* d, int64_t count) {
-  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
-  const __m512 ten = _mm512_set1_ps(10.0f), alpha = _mm512_set1_ps(static_cast<float>(kAlpha));
   int64_t i = 0;
   for (; i + 16 <= count; i += 16) {
-    const __m512 x = _mm512_loadu_ps(z + i);
-    __m512 s, q;
-    simd::exp_parts(_mm512_mul_ps(x, ten), s, q);
-    const __m512 e = _mm512_fmadd_ps(s, q, s);
-    const __m512 em1 = _mm512_fmadd_ps(s, q, _mm512_sub_ps(s, one));
-    const __mmask16 pos = _mm512_cmp_ps_mask(x, zero, _CMP_NLE_UQ);  // x > 0 or NaN
-    _mm512_storeu_ps(d + i, _mm512_mask_blend_ps(pos, e, one));
-    _mm512_storeu_ps(z + i, _mm512_mask_blend_ps(pos, _mm512_mul_ps(alpha, em1), x));
+    __m512 deriv;
+    _mm512_storeu_ps(z + i, simd::celu01(_mm512_loadu_ps(z + i), deriv));
+    _mm512_storeu_ps(d + i, deriv);
   }
   celu_avx2(z + i, d + i, count - i);
 }
@@ -236,22 +221,25 @@ const int64_t* every_chunk() {
   return starts.data();
 }
 
-// Layer l of member m: out (rows, d_out) = h W_l + b_l. With the panels, `chunks`
+// Layer l of member m: out (rows, d_out) = h W_l + b_l, then, if deriv is
+// given, CELU in place with its derivative into deriv (the panel kernels apply
+// it to their accumulators before storing them). With the panels, `chunks`
 // (per row, or nullptr) are h's 16-column chunks that are not all zero.
 template <typename T>
 void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, const T* h, T* out,
-                   const uint64_t* chunks) {
+                   const uint64_t* chunks, T* deriv) {
   const int64_t din = net.dims[l], dout = net.dims[l + 1];
   const T* bias = net.bias[l] + m * dout;
   if constexpr (std::is_same_v<T, float>) {
     if (l < static_cast<int64_t>(net.panel_fwd.size())) {
       small_gemm::panel_gemm(rows, dout, din, h, din, net.panel_fwd[l] + m * din * dout, bias,
-                             false, nullptr, 0, out, dout, chunks);
+                             false, nullptr, 0, out, dout, chunks, nullptr, deriv);
       return;
     }
   }
   small_gemm::gemm_bias<T>(rows, dout, din, h, din, net.weight[l] + m * net.stride[l], net.ld[l],
                            bias, out, dout);
+  if (deriv != nullptr) celu_inplace(out, deriv, rows * dout);
 }
 
 // Back through layer l of member m: out (rows, d_in) = (g W_l^T) * deriv, or,
@@ -326,8 +314,7 @@ void run_task(const GroupNet<T>& net, const Task& task, int64_t member_begin, in
   for (int64_t m = member_begin; m < member_end; ++m) {
     const T* h = x;
     for (int64_t l = 0; l < layers; ++l) {
-      layer_forward(net, l, m, rows, h, a[l], l == 0 ? chunks : nullptr);
-      if (l < last) celu_inplace(a[l], d[l], rows * net.dims[l + 1]);
+      layer_forward(net, l, m, rows, h, a[l], l == 0 ? chunks : nullptr, l < last ? d[l] : nullptr);
       h = a[l];
     }
     T* out = values + m * num_atoms;

@@ -1,7 +1,7 @@
 // Matrix products of the fused networks (ensemble_cpu.cpp): few rows (at most
 // one block of atoms) times one member's weights, row-major throughout.
 //
-//   panel_gemm(A, W)      = A W (+ bias, or + C; then * D)   float32, AVX2 + FMA
+//   panel_gemm(A, W)      = A W (+ bias, or + C; then * D, or CELU)  float32, AVX2 + FMA
 //   panel_nt(G, W)        = G W^T (+ C, or * D)               float32, AVX2, 1-2 rows
 //   gemm_bias(A, B, bias) = A B + bias                        any dtype, BLAS; one
 //                           output column: dot products (AVX2 for float32)
@@ -108,11 +108,12 @@ TF_AVX2_INLINE void panel_steps(__m256 (&acc)[R][2], const float* a, int64_t lda
 // Rows 0..R of C[:, 0:16] = epilogue(A W), W one (k, 16) panel, contiguous,
 // over A's chunks in `chunks` (kAllChunks: all of k).
 // Accumulators start at `bias` (16 values) if given, else at C (accumulate) or 0;
-// the result is multiplied by D (ldd) if given.
+// the result is multiplied by D (ldd) if given, and goes through CELU(0.1) if
+// celu_d is given, which receives the derivative (row stride ldc).
 template <int R>
 TF_AVX2_INLINE void panel_rows(
     const float* a, int64_t lda, const float* w, int64_t k, uint64_t chunks, const float* bias,
-    bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc) {
+    bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc, float* celu_d) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
     if (bias != nullptr) {
@@ -138,6 +139,13 @@ TF_AVX2_INLINE void panel_rows(
       acc[r][0] = _mm256_mul_ps(acc[r][0], _mm256_loadu_ps(d + r * ldd));
       acc[r][1] = _mm256_mul_ps(acc[r][1], _mm256_loadu_ps(d + r * ldd + 8));
     }
+    if (celu_d != nullptr) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 deriv;
+        acc[r][h] = simd::celu01(acc[r][h], deriv);
+        _mm256_storeu_ps(celu_d + r * ldc + 8 * h, deriv);
+      }
+    }
     _mm256_storeu_ps(c + r * ldc, acc[r][0]);
     _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
   }
@@ -150,7 +158,7 @@ TF_AVX2_INLINE void panel_rows(
 TF_AVX2 inline void panel_gemm_avx2(
     int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
     const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
-    const uint64_t* a_chunks, const uint64_t* c_chunks) {
+    const uint64_t* a_chunks, const uint64_t* c_chunks, float* celu_d) {
   // A tile with every chunk of k takes the plain loop over k.
   const uint64_t all_of_k = k >= 16 * 64 ? kAllChunks : (uint64_t(1) << (k / 16)) - 1;
   for (int64_t j = 0; j < n; j += 16) {
@@ -168,13 +176,14 @@ TF_AVX2 inline void panel_gemm_avx2(
       if ((kc & all_of_k) == all_of_k) kc = kAllChunks;
       const float* ar = a + r * lda;
       const float* dr = d ? d + r * ldd + j : nullptr;
+      float* er = celu_d ? celu_d + r * ldc + j : nullptr;
       switch (rows) {
-        case 6: panel_rows<6>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
-        case 5: panel_rows<5>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
-        case 4: panel_rows<4>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
-        case 3: panel_rows<3>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
-        case 2: panel_rows<2>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
-        default: panel_rows<1>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc); break;
+        case 6: panel_rows<6>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
+        case 5: panel_rows<5>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
+        case 4: panel_rows<4>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
+        case 3: panel_rows<3>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
+        case 2: panel_rows<2>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
+        default: panel_rows<1>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
       }
     }
   }
@@ -204,7 +213,7 @@ TF_AVX512_INLINE void panel_steps512(__m512 (&acc)[R][P], const float* a, int64_
 template <int R, int P>
 TF_AVX512 void panel_tile512(const float* a, int64_t lda, const float* w, int64_t k,
                              uint64_t chunks, const float* bias, bool accumulate, const float* d,
-                             int64_t ldd, float* c, int64_t ldc, const int64_t* cols) {
+                             int64_t ldd, float* c, int64_t ldc, float* celu_d, const int64_t* cols) {
   const float* wq[P];
   __m512 acc[R][P];
   for (int q = 0; q < P; ++q) {
@@ -227,6 +236,11 @@ TF_AVX512 void panel_tile512(const float* a, int64_t lda, const float* w, int64_
     for (int q = 0; q < P; ++q) {
       __m512 v = acc[r][q];
       if (d != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(d + r * ldd + cols[q]));
+      if (celu_d != nullptr) {
+        __m512 deriv;
+        v = simd::celu01(v, deriv);
+        _mm512_storeu_ps(celu_d + r * ldc + cols[q], deriv);
+      }
       _mm512_storeu_ps(c + r * ldc + cols[q], v);
     }
   }
@@ -235,12 +249,12 @@ TF_AVX512 void panel_tile512(const float* a, int64_t lda, const float* w, int64_
 template <int R>
 TF_AVX512 void panel_tile512(int panels, const float* a, int64_t lda, const float* w, int64_t k,
                              uint64_t chunks, const float* bias, bool accumulate, const float* d,
-                             int64_t ldd, float* c, int64_t ldc, const int64_t* cols) {
+                             int64_t ldd, float* c, int64_t ldc, float* celu_d, const int64_t* cols) {
   switch (panels) {
-    case 4: panel_tile512<R, 4>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, cols); break;
-    case 3: panel_tile512<R, 3>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, cols); break;
-    case 2: panel_tile512<R, 2>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, cols); break;
-    default: panel_tile512<R, 1>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, cols); break;
+    case 4: panel_tile512<R, 4>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols); break;
+    case 3: panel_tile512<R, 3>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols); break;
+    case 2: panel_tile512<R, 2>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols); break;
+    default: panel_tile512<R, 1>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols); break;
   }
 }
 
@@ -250,7 +264,7 @@ TF_AVX512 void panel_tile512(int panels, const float* a, int64_t lda, const floa
 TF_AVX512 inline void panel_gemm_avx512(
     int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
     const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
-    const uint64_t* a_chunks, const uint64_t* c_chunks) {
+    const uint64_t* a_chunks, const uint64_t* c_chunks, float* celu_d) {
   const uint64_t all_of_k = k >= 16 * 64 ? kAllChunks : (uint64_t(1) << (k / 16)) - 1;
   for (int64_t j0 = 0; j0 < n; j0 += 64) {
     const int64_t group_end = std::min<int64_t>(n, j0 + 64);
@@ -272,13 +286,14 @@ TF_AVX512 inline void panel_gemm_avx512(
       if ((kc & all_of_k) == all_of_k) kc = kAllChunks;
       const float* ar = a + r * lda;
       const float* dr = d ? d + r * ldd : nullptr;
+      float* er = celu_d ? celu_d + r * ldc : nullptr;
       switch (rows) {
-        case 6: panel_tile512<6>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
-        case 5: panel_tile512<5>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
-        case 4: panel_tile512<4>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
-        case 3: panel_tile512<3>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
-        case 2: panel_tile512<2>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
-        default: panel_tile512<1>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, cols); break;
+        case 6: panel_tile512<6>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
+        case 5: panel_tile512<5>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
+        case 4: panel_tile512<4>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
+        case 3: panel_tile512<3>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
+        case 2: panel_tile512<2>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
+        default: panel_tile512<1>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
       }
     }
   }
@@ -468,16 +483,19 @@ inline bool panels_supported() {
 
 // C (m x n) = epilogue(A W) as in panel_rows; n % 16 == 0; needs panels_supported().
 // a_chunks / c_chunks: the zero chunks (per row, or nullptr; k / n <= 1024 when given).
+// celu_d: C = CELU(0.1)(A W + bias), its derivative into celu_d (not with c_chunks).
 inline void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                        const float* w, const float* bias, bool accumulate, const float* d,
                        int64_t ldd, float* c, int64_t ldc, const uint64_t* a_chunks = nullptr,
-                       const uint64_t* c_chunks = nullptr) {
+                       const uint64_t* c_chunks = nullptr, float* celu_d = nullptr) {
+  TORCH_CHECK(celu_d == nullptr || c_chunks == nullptr, "panel_gemm: celu_d with c_chunks");
 #ifdef TF_SIMD_AVX2
   if (simd::have_avx512()) {
-    panel_gemm_avx512(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks);
+    panel_gemm_avx512(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,
+                      celu_d);
     return;
   }
-  panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks);
+  panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks, celu_d);
 #else
   TORCH_CHECK(false, "panel_gemm needs an x86-64 CPU with AVX2");
 #endif

@@ -83,25 +83,12 @@ TF_AVX2 void celu_avx2(float* z, float* d, int64_t count) {
   }
   celu_scalar(z + i, d + i, count - i);
 }
-
-// celu_avx2 on 16 lanes (the same bits), the rest as celu_avx2.
-TF_AVX512 void celu_avx512(float* z, float* d, int64_t count) {
-  int64_t i = 0;
-  for (; i + 16 <= count; i += 16) {
-    __m512 deriv;
-    _mm512_storeu_ps(z + i, simd::celu01(_mm512_loadu_ps(z + i), deriv));
-    _mm512_storeu_ps(d + i, deriv);
-  }
-  celu_avx2(z + i, d + i, count - i);
-}
 #endif
 
+// (Only the layers without panels take this pass: the panel products apply
+// CELU to their accumulators, small_gemm.h.)
 void celu_inplace(float* z, float* d, int64_t count) {
 #ifdef TF_SIMD_AVX2
-  if (simd::have_avx512()) {
-    celu_avx512(z, d, count);
-    return;
-  }
   if (simd::have_avx2()) {
     celu_avx2(z, d, count);
     return;
@@ -133,8 +120,8 @@ struct GroupNet {
   int64_t rows_begin;   // first entry of the group in atoms
   int64_t rows;         // atoms in the group
   int64_t jac_offset;   // first element of its J in the flat output
-  const int64_t* cols;  // used AEV columns (K)
-  // cols as runs of consecutive columns: (first AEV column, first of K, length)
+  // The used AEV columns (K of them) as runs of consecutive columns:
+  // (first AEV column, first of the K, length).
   std::vector<std::array<int64_t, 3>> runs;
   std::vector<int64_t> dims;     // K, d1, ..., d_L (= 1)
   std::vector<const T*> weight;  // per layer: member 0's weights (d_in, d_out), row-major
@@ -388,12 +375,12 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     net.rows_begin = rows_begin;
     net.rows = sizes[g];
     net.jac_offset = jac_size;
-    net.cols = cols.data_ptr<int64_t>();
+    const int64_t* col = cols.data_ptr<int64_t>();
     for (int64_t c = 0; c < k_cols; ++c) {
-      if (c > 0 && net.cols[c] == net.cols[c - 1] + 1) {
+      if (c > 0 && col[c] == col[c - 1] + 1) {
         ++net.runs.back()[2];
       } else {
-        net.runs.push_back({net.cols[c], c, 1});
+        net.runs.push_back({col[c], c, 1});
       }
     }
     const int64_t d1 = w1.size(1) / members;

@@ -1,9 +1,9 @@
 // The CPU kernels' instruction-set level (level(), have_avx2(), have_avx512():
 // what the CPU has, capped by torchani_fast.cpu_isa()), and float32 exp and
 // log on 8 lanes (AVX2 + FMA) for their hot loops: the AEV's radial and
-// angular terms (aev_cpu.cpp) and CELU (ensemble_cpu.cpp, which also has a
-// 16-lane version through the AVX-512 exp_parts). glibc's scalar expf/powf
-// cost 5-20 ns a value; these about 1 ns.
+// angular terms (aev_cpu.cpp) and CELU (celu01, on 8 or 16 lanes: the
+// networks' products in small_gemm.h, and ensemble_cpu.cpp). glibc's scalar
+// expf/powf cost 5-20 ns a value; these about 1 ns.
 //
 // Accuracy: exp within 2 ulp; log within 2 ulp of ln x for normal x; powers as
 // exp(y log x) carry |y| times log's absolute error (about 1e-6 relative at

@@ -1,8 +1,10 @@
 // Matrix products of the fused networks (ensemble_cpu.cpp): few rows (at most
 // one block of atoms) times one member's weights, row-major throughout.
 //
-//   panel_gemm(A, W)      = A W (+ bias, or + C; then * D, or CELU)  float32, AVX2 + FMA
-//   panel_nt(G, W)        = G W^T (+ C, or * D)               float32, AVX2, 1-2 rows
+//   panel_gemm(A, W)      = A W (+ bias, or + C; then * D, or CELU)
+//                                                             float32, AVX2 + FMA or AVX-512
+//   panel_nt(G, W)        = G W^T (+ C, or * D) from W's panels
+//                                                             float32, AVX2 (1-2 rows) or AVX-512
 //   gemm_bias(A, B, bias) = A B + bias                        any dtype, BLAS; one
 //                           output column: dot products (AVX2 for float32)
 //   gemm_nt(A, B, D)      = (A B^T) * D, or C (+)= A B^T      any dtype, BLAS

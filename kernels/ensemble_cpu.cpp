@@ -43,13 +43,13 @@ constexpr int64_t kTargetTasks = 16;  // below this many blocks, members are spl
 // used by the forward pass) instead of W^T's: 3-atom water 1.65 -> 1.47 ms per
 // call; no gain from 4 rows up (2iuz, interleaved A/B).
 constexpr int64_t kNtMaxRows = 2;
-// With AVX-512 (small_gemm::panel_nt_avx512, tiles of 3 rows), blocks of up to
-// this many rows do the same and never read W^T: half the weight bytes per
-// call, which matter when they come from memory (right after another program
-// ran, as in the interleaved benchmark): 2iuz 2.71 -> 2.40 ms, 3o99 4.33 ->
-// 3.89 ms, small.xyz 8.87 -> 8.46 ms; from 64 rows up, small.xyz got slower
-// (9.75 ms), its W^T panels being cheaper than the lane sums at the end.
-constexpr int64_t kNtMaxRows512 = 48;
+// With AVX-512 every block's backward reads the forward panels (W, just used
+// by the forward pass and still in cache) and never W^T's: blocks of up to 8
+// rows with dot products, larger ones through W^T panels made on the fly in
+// L1 (small_gemm::panel_nt_avx512). Half the weight bytes per call, which
+// matter when they come from memory (right after another program ran, as in
+// the interleaved benchmark).
+constexpr int64_t kNtMaxRows512 = kBlockRows;
 constexpr double kAlpha = 0.1;
 
 // ---------------------------------------------------------------------------

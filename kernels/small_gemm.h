@@ -329,24 +329,32 @@ TF_AVX512_INLINE __m256 sums8(const __m512 (&v)[8]) {
 
 // Rows 0..R of C[:, 0:8] = epilogue(G W^T) for 8 consecutive rows of W (k x
 // n), read from its forward panels (`w`: the first of the 8 in panel 0, panel
-// stride 16 k): per panel, 16 products of each (row, output) pair in a lane
-// each, summed across lanes at the end.
+// stride 16 k; n >= 16): per panel, 16 products of each (row, output) pair in
+// a lane each, summed across lanes at the end. The empty asm keeps each W
+// vector in a register for its R products (GCC otherwise reloads it from
+// memory for every FMA: 27 loads per 24 FMAs), and the first panel starts the
+// sums (g w is the FMA of g, w and 0), so that no zeroed accumulators go
+// through memory.
+template <int R, bool First>
+TF_AVX512_INLINE void nt_step512(__m512 (&acc)[R][8], const float* g, int64_t ldg,
+                                 const float* wp) {
+  __m512 gv[R];
+  for (int r = 0; r < R; ++r) gv[r] = _mm512_loadu_ps(g + r * ldg);
+  for (int i = 0; i < 8; ++i) {
+    __m512 wv = _mm512_loadu_ps(wp + 16 * i);
+    asm("" : "+v"(wv));
+    for (int r = 0; r < R; ++r)
+      acc[r][i] = First ? _mm512_mul_ps(gv[r], wv) : _mm512_fmadd_ps(gv[r], wv, acc[r][i]);
+  }
+}
+
 template <int R>
 TF_AVX512 void nt_tile512(const float* g, int64_t ldg, const float* w, int64_t panel_stride,
                           int64_t n, bool accumulate, const float* d, int64_t ldd, float* c,
                           int64_t ldc) {
   __m512 acc[R][8];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 8; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < n; p += 16) {
-    const float* wp = w + (p / 16) * panel_stride;
-    __m512 gv[R];
-    for (int r = 0; r < R; ++r) gv[r] = _mm512_loadu_ps(g + r * ldg + p);
-    for (int i = 0; i < 8; ++i) {
-      const __m512 wv = _mm512_loadu_ps(wp + 16 * i);
-      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(gv[r], wv, acc[r][i]);
-    }
-  }
+  nt_step512<R, true>(acc, g, ldg, w);
+  for (int64_t p = 16; p < n; p += 16) nt_step512<R, false>(acc, g + p, ldg, w + (p / 16) * panel_stride);
   for (int r = 0; r < R; ++r) {
     __m256 s = sums8(acc[r]);
     if (d != nullptr) s = _mm256_mul_ps(s, _mm256_loadu_ps(d + r * ldd));
@@ -355,15 +363,15 @@ TF_AVX512 void nt_tile512(const float* g, int64_t ldg, const float* w, int64_t p
   }
 }
 
-// C (m x k) = G (m x n) W^T (times D, or added to C), W given as its forward
-// panels: panel_nt with AVX-512 for any number of rows, k % 8 == 0, n <= 1024.
-// Each slab of 8 rows of W (8 x n) is copied to a contiguous buffer, which
-// stays in L1 while tiles of 3 rows of G pass over it: read in place, its
-// pieces sit 64 k bytes apart, a multiple of 4 KB for k = 64, 128, 192, ...,
-// all in the same few L1 sets, and were evicted between tiles (54 GFLOP/s
+// C (m x k) = G (m x n) W^T (times D, or added to C) for a few rows m, W given
+// as its forward panels, with dot products (nt_tile512), k % 8 == 0, 16 <= n
+// <= 1024. Each slab of 8 rows of W (8 x n) is copied to a contiguous buffer,
+// which stays in L1 while tiles of 3 rows of G pass over it: read in place,
+// its pieces sit 64 k bytes apart, a multiple of 4 KB for k = 64, 128, 192,
+// ..., all in the same few L1 sets, and were evicted between tiles (54 GFLOP/s
 // instead of about 150 for 60 x 384 x 256). A tile skips (0, or C kept) the
 // chunks of c_chunks none of its rows wants.
-TF_AVX512 inline void panel_nt_avx512(int64_t m, int64_t k, int64_t n, const float* g,
+TF_AVX512 inline void panel_nt_dot512(int64_t m, int64_t k, int64_t n, const float* g,
                                       int64_t ldg, const float* w, bool accumulate,
                                       const float* d, int64_t ldd, float* c, int64_t ldc,
                                       const uint64_t* c_chunks) {
@@ -394,6 +402,97 @@ TF_AVX512 inline void panel_nt_avx512(int64_t m, int64_t k, int64_t n, const flo
       }
     }
   }
+}
+
+// dst[j * 16 + i] = src[i * 16 + j]: a contiguous 16 x 16 block transposed
+// (4 rounds of 16 shuffles).
+TF_AVX512_INLINE void transpose16x16(const float* src, float* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + 16 * i);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xDD);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    _mm512_storeu_ps(dst + 16 * i, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
+    _mm512_storeu_ps(dst + 16 * (8 + i), _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD));
+  }
+}
+
+constexpr int64_t kNtSlabPanels = 2;  // W^T panels made at a time (32 columns of C)
+constexpr int64_t kNtSlabMaxN = 256;  // their buffer: 2 x 256 x 16 floats (32 KB, L1)
+
+// The same product from W^T panels made on the fly: each slab of 32 rows of W
+// (32 x n) is transposed, 16 x 16 blocks at a time, into two W^T panels (n,
+// 16) in an L1 buffer, which panel_gemm_avx512 then multiplies as it does the
+// stored W^T panels: the same operations in the same order, so the same bits
+// as the stored panels, without reading them (the forward pass has just
+// brought W into cache; W^T would come from memory or L3). The transposes
+// cost 4 shuffles per weight per call; one core, W in L2 (k x n = 384 x 256,
+// GFLOP/s): 18 rows 123 against 117 for the dot products and 171 for stored
+// W^T panels, 48 rows 158 / 123 / 176, 96 rows 171 / 128 / 176, 6 rows 77 /
+// 90. k % 16 == 0, n % 16 == 0, n <= kNtSlabMaxN.
+TF_AVX512 inline void panel_nt_transposed512(int64_t m, int64_t k, int64_t n, const float* g,
+                                             int64_t ldg, const float* w, bool accumulate,
+                                             const float* d, int64_t ldd, float* c, int64_t ldc,
+                                             const uint64_t* c_chunks) {
+  alignas(64) float slab[kNtSlabPanels * kNtSlabMaxN * 16];
+  constexpr int64_t kRowsAtOnce = 96;  // rows per panel_gemm call (their shifted chunks below)
+  uint64_t shifted[kRowsAtOnce];
+  const uint64_t wanted_by_any = c_chunks != nullptr ? chunks_of(c_chunks, m) : kAllChunks;
+  for (int64_t i0 = 0; i0 < k; i0 += 16 * kNtSlabPanels) {
+    const int64_t panels = std::min<int64_t>(kNtSlabPanels, (k - i0) / 16);
+    const uint64_t slab_bits = ((uint64_t(1) << panels) - 1) << (i0 / 16);
+    if ((wanted_by_any & slab_bits) == 0) {  // no row wants these columns: 0, or C kept
+      if (!accumulate)
+        for (int64_t r = 0; r < m; ++r) std::memset(c + r * ldc + i0, 0, 16 * panels * sizeof(float));
+      continue;
+    }
+    for (int64_t q = 0; q < panels; ++q)
+      for (int64_t p = 0; p < n / 16; ++p)
+        transpose16x16(w + p * 16 * k + 16 * (i0 + 16 * q), slab + q * n * 16 + 256 * p);
+    for (int64_t r0 = 0; r0 < m; r0 += kRowsAtOnce) {
+      const int64_t rows = std::min<int64_t>(kRowsAtOnce, m - r0);
+      if (c_chunks != nullptr)
+        for (int64_t r = 0; r < rows; ++r) shifted[r] = c_chunks[r0 + r] >> (i0 / 16);
+      panel_gemm_avx512(rows, 16 * panels, n, g + r0 * ldg, ldg, slab, nullptr, accumulate,
+                        d != nullptr ? d + r0 * ldd + i0 : nullptr, ldd, c + r0 * ldc + i0, ldc,
+                        nullptr, c_chunks != nullptr ? shifted : nullptr, nullptr);
+    }
+  }
+}
+
+// From this many rows up panel_nt takes the transposed slabs (when n allows).
+constexpr int64_t kNtTransposeMinRows = 9;
+
+// C (m x k) = G (m x n) W^T (times D, or added to C), W given as its forward
+// panels: panel_nt with AVX-512, k % 8 == 0, n % 16 == 0, n <= 1024.
+TF_AVX512 inline void panel_nt_avx512(int64_t m, int64_t k, int64_t n, const float* g,
+                                      int64_t ldg, const float* w, bool accumulate,
+                                      const float* d, int64_t ldd, float* c, int64_t ldc,
+                                      const uint64_t* c_chunks) {
+  if (n == 0) {  // an empty sum
+    if (!accumulate)
+      for (int64_t r = 0; r < m; ++r) std::memset(c + r * ldc, 0, k * sizeof(float));
+    return;
+  }
+  if (m >= kNtTransposeMinRows && k % 16 == 0 && n <= kNtSlabMaxN) {
+    panel_nt_transposed512(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc, c_chunks);
+    return;
+  }
+  panel_nt_dot512(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc, c_chunks);
 }
 
 #pragma GCC diagnostic pop

@@ -5,8 +5,8 @@ portable path without panels); the AEV, neighbour list and CELU an AVX2 and a
 portable one. Each level this CPU has is checked against plain PyTorch (the
 op) and TorchANI (a patched model). The forward pass (values, energies) of
 AVX2 and AVX-512 sums every product in the same order, so they must agree to
-the bit; the AVX-512 input gradient of blocks of up to 48 rows is summed in
-another order (from W, not W^T), so it agrees to float rounding.
+the bit; the AVX-512 input gradient of blocks of up to 8 rows is summed in
+another order (dot products with W's rows), so it agrees to float rounding.
 """
 import os
 import subprocess
@@ -39,20 +39,28 @@ def run_at(level, fn, *args):
     return fn(*args)
 
 
-# Widths 112 = 64 + 48 and 80 = 64 + 16: AVX-512 tiles of 4, 3 and 1 panels;
-# 2, 7, 45, 23 and 61 rows: tiles of 1 to 6 rows in the forward, of 1 to 3 in
-# the backward from W (<= 48 rows), and W^T's panels for the 61.
+# Widths 112 = 64 + 48 and 80 = 64 + 16: AVX-512 tiles of 4, 3 and 1 panels,
+# and slabs of 2 and 1 W^T panels made on the fly in the backward; 2, 7, 45, 23
+# and 61 rows: tiles of 1 to 6 rows in the forward, dot products of 1 to 3
+# rows in the backward of the 2 and 7 (<= 8 rows), W^T made on the fly for
+# the others.
 WIDE = ([112, 80, 32], [48, 96, 64, 32, 80], [2, 7, 45, 23, 61])
+# A hidden layer wider than the W^T slabs' buffer (256): dot products for any
+# number of rows; 9 rows, the fewest that take the slabs elsewhere.
+WIDER = ([288, 48], [64, 96, 80], [12, 9, 30])
 
 
+@pytest.mark.parametrize("shapes", [WIDE, WIDER], ids=["wide", "wider"])
 @pytest.mark.parametrize("zero_chunks", [False, True], ids=["dense", "zero-chunks"])
-def test_op_at_every_level(levels, zero_chunks):
+def test_op_at_every_level(levels, zero_chunks, shapes):
     members = 3
-    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float32, members, *WIDE, features=128)
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float32, members, *shapes, features=128)
     if zero_chunks:  # chunks of 16 AEV columns that are 0 in some rows, as real AEVs have
         g = torch.Generator().manual_seed(5)
-        for atoms_g, cols in zip(atoms.split(sizes), columns):
+        for i, (atoms_g, cols) in enumerate(zip(atoms.split(sizes), columns)):
             zero = torch.rand(len(atoms_g), cols.shape[0] // 16, generator=g) < 0.5
+            if i == 0:  # chunks 0 and 1 zero in every row: a whole slab of J that no row needs
+                zero[:, :2] = True
             for r, a in enumerate(atoms_g.tolist()):
                 for c in zero[r].nonzero().flatten().tolist():
                     aev[a, cols[16 * c: 16 * c + 16]] = 0

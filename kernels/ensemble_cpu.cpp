@@ -13,7 +13,8 @@
 // the members into slices, so that every thread has work; the split depends on
 // the input only, and results do not depend on the number of threads.
 // float32 on AVX2 CPUs multiplies with the weights' panel copies (W for the
-// forward, W^T for the backward, small_gemm.h); otherwise BLAS.
+// forward, W^T for the backward; with AVX-512 the backward too reads W,
+// small_gemm.h); otherwise BLAS.
 //
 // CELU(alpha) = x for x > 0, alpha expm1(x / alpha) otherwise; its derivative
 // is kept from the forward pass. float32 uses simd_math.h's exp on AVX2 CPUs

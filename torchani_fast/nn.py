@@ -11,8 +11,9 @@ after every layer but the last:
   sum, J = d(sum_k out_k)/dx, right after it, with the member's weights still in
   cache; nothing is kept for backward but the AEV and J (about 10% of the
   activations' size). float32 on AVX2 CPUs multiplies with its own kernels on
-  16-column panel copies of the weights (W and W^T; blocks of 1-2 atoms take
-  their backward from W, which the forward has just read), made once and cached;
+  16-column panel copies of the weights (W and W^T; with AVX-512 every block,
+  and with AVX2 blocks of 1-2 atoms, take their backward from W, which the
+  forward has just read), made once and cached;
   other CPUs and float64 call BLAS. ``native_cpu = False`` turns it off.
   Eager and scripted models call it through ``ensemble_atomic`` (values) or
   ``ensemble_energies`` (their reduction to energies), the same

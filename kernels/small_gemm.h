@@ -454,8 +454,10 @@ TF_AVX512 inline void panel_nt_transposed512(int64_t m, int64_t k, int64_t n, co
   const uint64_t wanted_by_any = c_chunks != nullptr ? chunks_of(c_chunks, m) : kAllChunks;
   for (int64_t i0 = 0; i0 < k; i0 += 16 * kNtSlabPanels) {
     const int64_t panels = std::min<int64_t>(kNtSlabPanels, (k - i0) / 16);
-    const uint64_t slab_bits = ((uint64_t(1) << panels) - 1) << (i0 / 16);
-    if ((wanted_by_any & slab_bits) == 0) {  // no row wants these columns: 0, or C kept
+    // (c_chunks, when given, cover k <= 1024 columns: 64 bits.)
+    if (c_chunks != nullptr &&
+        (wanted_by_any & (((uint64_t(1) << panels) - 1) << (i0 / 16))) == 0) {
+      // no row wants these columns: 0, or C kept
       if (!accumulate)
         for (int64_t r = 0; r < m; ++r) std::memset(c + r * ldc + i0, 0, 16 * panels * sizeof(float));
       continue;

@@ -203,6 +203,7 @@ TF_AVX512_INLINE void panel_steps512(__m512 (&acc)[R][P], const float* a, int64_
     for (int q = 0; q < P; ++q) {
       _mm_prefetch(reinterpret_cast<const char*>(w[q] + 16 * (p + 16)), _MM_HINT_T0);
       wv[q] = _mm512_loadu_ps(w[q] + 16 * p);
+      asm("" : "+v"(wv[q]));  // a register for its R products (see nt_tile512)
     }
     for (int r = 0; r < R; ++r) {
       const __m512 x = _mm512_set1_ps(a[r * lda + p]);

@@ -150,7 +150,6 @@ struct CentreScratch {
   std::vector<float> pair;  // backward: (n, n8) coefficients of the neighbours' vectors
   std::vector<float> diag;  // backward: (n,) coefficient of each neighbour's own vector
   std::vector<float> coef;  // backward: (n + 8,) radial terms' coefficient of each neighbour
-  std::vector<float> radial_weights;  // backward: the centre's radial gradient / 4, then -eta per shift
 };
 
 // All neighbours of centre i from its half edges, sorted by species, with their
@@ -508,33 +507,31 @@ TF_AVX2 void radial_forward(const NeighborArrays& nb, const Consts<float>& k, fl
 // The radial terms' gradient of one centre, added to its half edges: per
 // neighbour (8 per vector) d/dr of its terms against the species' gradient,
 // over r, times its vector (0 at r = 0, where the direction is undefined).
-// With e_q = exp(-eta_q x_q^2), x_q = r - shift_q and w_q = g_q / 4,
-//   d/dr sum_q w_q e_q fc = dfc sum_q w_q e_q + 2 fc sum_q w_q e_q t_q,
-// t_q = -eta_q x_q: two sums per neighbour, the constants broadcast from
-// memory (load ports; a broadcast from a register takes the shuffle port).
+// With e_q = exp(-t_q x_q), x_q = r - shift_q and t_q = eta_q x_q,
+//   d/dr sum_q g_q e_q fc / 4 = (dfc sum_q g_q e_q - 2 fc sum_q g_q e_q t_q) / 4:
+// two sums per neighbour, the constants broadcast from memory (load ports; a
+// broadcast from a register takes the shuffle port).
 TF_AVX2 void radial_backward(const NeighborArrays& nb, const Consts<float>& k, const float* grow,
-                             std::vector<float>& coef, std::vector<float>& weights,
-                             float* grad_edge) {
+                             std::vector<float>& coef, float* grad_edge) {
   coef.resize(nb.n + 8);
-  weights.resize(k.S * k.R + k.R);
-  float* neg_eta = weights.data() + k.S * k.R;
-  for (int64_t q = 0; q < k.R; ++q) neg_eta[q] = -k.eta_r[q];
-  for (int64_t i = 0; i < k.S * k.R; ++i) weights[i] = 0.25f * grow[i];
-  const __m256 two = _mm256_set1_ps(2.0f);
+  const __m256 quarter = _mm256_set1_ps(0.25f), half = _mm256_set1_ps(0.5f);
+  const __m256 zero = _mm256_setzero_ps();
   for (int64_t s = 0; s < k.S; ++s) {
-    const float* w = weights.data() + s * k.R;
+    const float* g = grow + s * k.R;
     for (int64_t v = nb.seg[s]; v < nb.seg[s + 1]; v += 8) {  // (the next species overwrites the tail)
       const __m256 r = _mm256_loadu_ps(nb.r.data() + v);
-      __m256 sum_e = _mm256_setzero_ps(), sum_et = _mm256_setzero_ps();
+      __m256 sum_e = zero, sum_et = zero;
       for (int64_t q = 0; q < k.R; ++q) {
         const __m256 x = _mm256_sub_ps(r, _mm256_broadcast_ss(k.shf_r.data() + q));
-        const __m256 t = _mm256_mul_ps(_mm256_broadcast_ss(neg_eta + q), x);
-        const __m256 we = _mm256_mul_ps(_mm256_broadcast_ss(w + q), simd::exp(_mm256_mul_ps(t, x)));
-        sum_e = _mm256_add_ps(sum_e, we);
-        sum_et = _mm256_fmadd_ps(we, t, sum_et);
+        const __m256 t = _mm256_mul_ps(_mm256_broadcast_ss(k.eta_r.data() + q), x);
+        const __m256 ge = _mm256_mul_ps(_mm256_broadcast_ss(g + q),
+                                        simd::exp(_mm256_fnmadd_ps(t, x, zero)));
+        sum_e = _mm256_add_ps(sum_e, ge);
+        sum_et = _mm256_fmadd_ps(ge, t, sum_et);
       }
       const __m256 fc = _mm256_loadu_ps(nb.fc.data() + v), dfc = _mm256_loadu_ps(nb.dfc.data() + v);
-      const __m256 d = _mm256_fmadd_ps(dfc, sum_e, _mm256_mul_ps(_mm256_mul_ps(two, fc), sum_et));
+      const __m256 d = _mm256_fmsub_ps(_mm256_mul_ps(quarter, dfc), sum_e,
+                                       _mm256_mul_ps(_mm256_mul_ps(half, fc), sum_et));
       _mm256_storeu_ps(coef.data() + v, _mm256_mul_ps(d, _mm256_loadu_ps(nb.inv_r.data() + v)));
     }
   }
@@ -575,7 +572,7 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
     if (species[i] < 0) continue;
     const float* grow = grad_aev + i * k.F;
     sorted_neighbors(h, i, species, diff, k, true, w);
-    radial_backward(w.all, k, grow, w.coef, w.radial_weights, grad_edge);
+    radial_backward(w.all, k, grow, w.coef, grad_edge);
     switch (k.Z) {
       case 1: angular_backward<1>(w, k, ac, grow, grad_edge); break;
       case 2: angular_backward<2>(w, k, ac, grow, grad_edge); break;

@@ -44,13 +44,6 @@ constexpr int64_t kTargetTasks = 16;  // below this many blocks, members are spl
 // used by the forward pass) instead of W^T's: 3-atom water 1.65 -> 1.47 ms per
 // call; no gain from 4 rows up (2iuz, interleaved A/B).
 constexpr int64_t kNtMaxRows = 2;
-// With AVX-512 every block's backward reads the forward panels (W, just used
-// by the forward pass and still in cache) and never W^T's: blocks of up to 8
-// rows with dot products, larger ones through W^T panels made on the fly in
-// L1 (small_gemm::panel_nt_avx512). Half the weight bytes per call, which
-// matter when they come from memory (right after another program ran, as in
-// the interleaved benchmark).
-constexpr int64_t kNtMaxRows512 = kBlockRows;
 constexpr double kAlpha = 0.1;
 
 // ---------------------------------------------------------------------------
@@ -238,8 +231,14 @@ void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, 
                     const T* deriv, bool accumulate, T* out, const uint64_t* chunks) {
   const int64_t din = net.dims[l], dout = net.dims[l + 1];
   if constexpr (std::is_same_v<T, float>) {
-    const int64_t nt_rows = simd::have_avx512() ? kNtMaxRows512 : kNtMaxRows;
-    if (rows <= nt_rows && l < static_cast<int64_t>(net.panel_fwd.size())) {
+    // With AVX-512 every block's backward reads the forward panels (W, just
+    // used by the forward pass and still in cache) and never W^T's (blocks of
+    // up to 8 rows with dot products, larger ones through W^T panels made on
+    // the fly in L1): half the weight bytes per call, which matter when they
+    // come from memory (right after another program ran, as in the
+    // interleaved benchmark).
+    const bool from_w = rows <= kNtMaxRows || small_gemm::panel_nt_any_rows(din, dout);
+    if (from_w && l < static_cast<int64_t>(net.panel_fwd.size())) {
       small_gemm::panel_nt(rows, din, dout, g, dout, net.panel_fwd[l] + m * din * dout, accumulate,
                            deriv, din, out, din, chunks);
       return;

@@ -605,13 +605,23 @@ inline void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t 
 #endif
 }
 
+// Whether panel_nt runs as fast as panel_gemm on W^T's panels for any number
+// of rows (panel_nt_avx512); otherwise it is for one or two rows.
+inline bool panel_nt_any_rows(int64_t k, int64_t n) {
+#ifdef TF_SIMD_AVX2
+  return simd::have_avx512() && k % 8 == 0 && n <= 1024;
+#else
+  return false;
+#endif
+}
+
 // C (m x k) = G W^T from W's forward panels, as panel_nt_avx2; n % 16 == 0;
 // needs panels_supported(). c_chunks: C's chunks wanted (per row, or nullptr; k <= 1024).
 inline void panel_nt(int64_t m, int64_t k, int64_t n, const float* g, int64_t ldg, const float* w,
                      bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
                      const uint64_t* c_chunks = nullptr) {
 #ifdef TF_SIMD_AVX2
-  if (simd::have_avx512() && k % 8 == 0 && n <= 1024) {
+  if (panel_nt_any_rows(k, n)) {
     panel_nt_avx512(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc, c_chunks);
     return;
   }

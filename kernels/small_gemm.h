@@ -90,6 +90,38 @@ inline uint64_t chunks_of(const uint64_t* rows, int64_t count) {
   return bits;
 }
 
+// The runs of consecutive chunks set in `chunks`, [p0, p1) in columns and in
+// increasing order; all of k, once, for kAllChunks. A tile skips zero chunks
+// one run at a time: GCC stores the accumulators to the stack and reloads
+// them around each pass of the step loop, once per chunk before (AVX-512, one
+// core, 96 x 384 x 256 with 3 of 24 chunks zero: 156 -> 164 GFLOP/s; none
+// zero: 177). The sums keep their order, so the same bits.
+class ChunkRuns {
+ public:
+  ChunkRuns(uint64_t chunks, int64_t k) : left_(chunks), k_(chunks == kAllChunks ? k : -1) {}
+  bool next(int64_t& p0, int64_t& p1) {
+    if (k_ >= 0) {  // all of k
+      p0 = 0;
+      p1 = k_;
+      k_ = -1;
+      left_ = 0;
+      return true;
+    }
+    if (left_ == 0) return false;
+    // (left_ is never all ones, kAllChunks: ~(left_ >> first) has a bit set.)
+    const int first = __builtin_ctzll(left_);
+    const int length = __builtin_ctzll(~(left_ >> first));
+    p0 = 16 * int64_t(first);
+    p1 = 16 * int64_t(first + length);
+    left_ = first + length >= 64 ? 0 : left_ & (~uint64_t(0) << (first + length));
+    return true;
+  }
+
+ private:
+  uint64_t left_;
+  int64_t k_;
+};
+
 // acc[r] += A[r, p0:p1] W[p0:p1, 0:16] for rows r < R.
 template <int R>
 TF_AVX2_INLINE void panel_steps(__m256 (&acc)[R][2], const float* a, int64_t lda, const float* w,
@@ -128,14 +160,8 @@ TF_AVX2_INLINE void panel_rows(
       acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     }
   }
-  if (chunks == kAllChunks) {
-    panel_steps<R>(acc, a, lda, w, 0, k);
-  } else {
-    for (uint64_t left = chunks; left != 0; left &= left - 1) {
-      const int64_t p0 = 16 * __builtin_ctzll(left);
-      panel_steps<R>(acc, a, lda, w, p0, p0 + 16);
-    }
-  }
+  ChunkRuns runs(chunks, k);
+  for (int64_t p0, p1; runs.next(p0, p1);) panel_steps<R>(acc, a, lda, w, p0, p1);
   for (int r = 0; r < R; ++r) {
     if (d != nullptr) {
       acc[r][0] = _mm256_mul_ps(acc[r][0], _mm256_loadu_ps(d + r * ldd));
@@ -227,14 +253,8 @@ TF_AVX512 void panel_tile512(const float* a, int64_t lda, const float* w, int64_
                                   : _mm512_setzero_ps();
     }
   }
-  if (chunks == kAllChunks) {
-    panel_steps512<R, P>(acc, a, lda, wq, 0, k);
-  } else {
-    for (uint64_t left = chunks; left != 0; left &= left - 1) {
-      const int64_t p0 = 16 * __builtin_ctzll(left);
-      panel_steps512<R, P>(acc, a, lda, wq, p0, p0 + 16);
-    }
-  }
+  ChunkRuns runs(chunks, k);
+  for (int64_t p0, p1; runs.next(p0, p1);) panel_steps512<R, P>(acc, a, lda, wq, p0, p1);
   for (int r = 0; r < R; ++r) {
     for (int q = 0; q < P; ++q) {
       __m512 v = acc[r][q];

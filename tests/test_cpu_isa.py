@@ -82,6 +82,38 @@ def test_op_at_every_level(levels, zero_chunks, shapes):
         torch.testing.assert_close(out["avx512"][1][compared], out["avx2"][1][compared], rtol=1e-5, atol=1e-6)
 
 
+def test_zero_chunk_runs_at_every_level(levels):
+    # 1024 AEV columns: chunk bitmasks of 64 bits, runs of nonzero chunks up to
+    # the last bit. 13 rows, tiles of 6, 6 and 1: chunk 0 zero in the whole
+    # first tile (one run, chunks 1-63), the even chunks zero in the second (32
+    # runs of one chunk), only chunk 63 nonzero in the last row. Skipping a
+    # chunk of zeros drops products that are exactly 0: each row's values are
+    # the same bits as when it is its own group (its own chunks skipped).
+    members = 2
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(
+        torch.float32, members, [32, 16], [1024], [13], features=1024)
+    rows = atoms.tolist()
+    chunks = aev.view(aev.shape[0], 64, 16)  # columns are 0 .. 1023, in order
+    for a in rows[:6]:
+        chunks[a, 0] = 0
+    for a in rows[6:12]:
+        chunks[a, 0::2] = 0
+    chunks[rows[12], :63] = 0
+    panels = panels_of(first, packs, layers, members)
+    v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
+    compared = (aev[atoms] != 0).view(13, 64, 16).any(2).repeat_interleave(16, 1).flatten()
+    one = [1] * 13  # every row its own group (same weights)
+    for level in levels:
+        values, jac = run_at(level, op, aev, atoms, sizes, columns, first, packs, panels, layers, members,
+                             True, True)
+        torch.testing.assert_close(values, v_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(jac[compared], j_ref[compared], rtol=1e-5, atol=1e-5)
+        alone, _ = run_at(level, op, aev, atoms, one, columns * 13, first * 13, packs * 13, panels * 13,
+                          layers * 13, members, False, True)
+        if level != "none":  # panels: the same order of sums in a tile of any number of rows
+            assert torch.equal(values, alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_model_at_every_level(levels, dtype):
     ref, fast = model_pair("ANI2x", dtype)

@@ -24,7 +24,9 @@ GFLOP/s counts only the networks' multiply-adds that cannot be skipped: layer 1
 restricted to the AEV columns of the elements present ("zero-block aware"),
 forward plus the input-gradient backward (2 x 2 x MACs). It is divided by the
 whole call's time (AEV, neighbour list and Python included) and compared with
-this machine's SGEMM peak, measured here with ``torch.mm`` on 2048^2 float32.
+this machine's SGEMM peak, measured here with ``torch.mm`` on 2048^2 float32;
+"nets alone" divides it by the networks stage's own time (forward + backward
+of the networks, timed without the AEV).
 
 The two "ceiling" columns bound what faster network kernels alone could give:
 the call's time with the networks stage (timed alone) replaced by its FLOPs at
@@ -356,12 +358,13 @@ def render(rows, errors, rss, peak, threads, load_before, load_after, profile_te
            f"- Measured SGEMM peak (torch.mm 2048^2 float32, {threads} threads): {peak:.1f} GFLOP/s",
            f"- Command: `python benchmarks/benchmark_cpu.py --threads {threads}{' --quick' if quick else ''}`",
            "", "Median wall time per call in ms (rounds interleaved, each in a shuffled order); speedup = torchani / fast. "
-           "AEV and nets: torchani_fast's two stages timed alone (forward + backward). "
+           "AEV and nets: torchani_fast's two stages timed alone (forward + backward); "
+           "nets alone: the network GFLOP over the nets stage's time. "
            "Ceiling: the call with the nets stage replaced by its FLOPs at the SGEMM peak, the rest as measured "
            "(the most that faster network kernels alone could give). "
            "load: 1-minute load average after the row, this benchmark's own threads included.", ""]
     head = ("| system | atoms | " + " | ".join(impls) + " | speedup vs torchani | vs infer | fast-jit speedup"
-            " | net GFLOP | fast GFLOP/s | % of SGEMM peak | fast AEV ms | fast nets ms"
+            " | net GFLOP | fast GFLOP/s | % of SGEMM peak | fast AEV ms | fast nets ms | nets alone: % of peak"
             " | ceiling: speedup | ceiling: % of peak | load |")
     out += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -373,16 +376,17 @@ def render(rows, errors, rss, peak, threads, load_before, load_after, profile_te
         gf = r.get("gflop")
         rate = f"{gf / ms['fast'] * 1e3:.1f}" if gf and "fast" in ms else "-"
         pct = f"{100 * gf / ms['fast'] * 1e3 / peak:.0f}%" if gf and "fast" in ms else "-"
-        ceil_sp = ceil_pct = "-"
+        nets_pct = ceil_sp = ceil_pct = "-"
         if gf and "fast" in ms and "nets_ms" in r:
             # The call with the networks at the SGEMM peak, the rest as measured.
+            nets_pct = f"{100 * gf / r['nets_ms'] * 1e3 / peak:.0f}%"
             best_ms = max(ms["fast"] - r["nets_ms"], 0.0) + gf / peak * 1e3
             ceil_pct = f"{100 * gf / best_ms * 1e3 / peak:.0f}%"
             if "torchani" in ms:
                 ceil_sp = f"{ms['torchani'] / best_ms:.1f}x"
         out.append(f"| {r['system']} | {r['atoms']} | " + " | ".join(cells)
                    + f" | {sp} | {spi} | {spj} | {gf:.3f} | {rate} | {pct} | {r.get('aev_ms', 0):.2f}"
-                   + f" | {r.get('nets_ms', 0):.2f} | {ceil_sp} | {ceil_pct} | {r.get('load', 0):.1f} |")
+                   + f" | {r.get('nets_ms', 0):.2f} | {nets_pct} | {ceil_sp} | {ceil_pct} | {r.get('load', 0):.1f} |")
     out += ["", "Largest |ΔE| (Ha) and |ΔF| (Ha/Å) of fast vs torchani, float32: "
             + ", ".join(f"{r['system']}: {r['dE']:.1e} / {r['dF']:.1e}" for r in rows if "dE" in r), ""]
     if errors:

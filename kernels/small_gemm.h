@@ -91,26 +91,29 @@ inline uint64_t chunks_of(const uint64_t* rows, int64_t count) {
 }
 
 // The runs of consecutive chunks set in `chunks`, [p0, p1) in columns and in
-// increasing order; all of k, once, for kAllChunks. A tile skips zero chunks
-// one run at a time: GCC stores the accumulators to the stack and reloads
-// them around each pass of the step loop, once per chunk before (AVX-512, one
-// core, 96 x 384 x 256 with 3 of 24 chunks zero: 156 -> 164 GFLOP/s; none
-// zero: 177). The sums keep their order, so the same bits.
+// increasing order; all of k in one run when every whole chunk of k is set
+// (kAllChunks, for one). A tile skips zero chunks one run at a time: GCC
+// stores the accumulators to the stack and reloads them around each pass of
+// the step loop, once per chunk before (AVX-512, one core, 96 x 384 x 256
+// with 3 of 24 chunks zero: 156 -> 164 GFLOP/s; none zero: 177). The sums
+// keep their order, so the same bits.
 class ChunkRuns {
  public:
-  ChunkRuns(uint64_t chunks, int64_t k) : left_(chunks), k_(chunks == kAllChunks ? k : -1) {}
+  ChunkRuns(uint64_t chunks, int64_t k) {
+    const uint64_t all_of_k = k >= 16 * 64 ? kAllChunks : (uint64_t(1) << (k / 16)) - 1;
+    whole_ = (chunks & all_of_k) == all_of_k ? k : -1;
+    left_ = whole_ >= 0 ? 0 : chunks;  // then never all ones: see next()
+  }
   bool next(int64_t& p0, int64_t& p1) {
-    if (k_ >= 0) {  // all of k
+    if (whole_ >= 0) {
       p0 = 0;
-      p1 = k_;
-      k_ = -1;
-      left_ = 0;
+      p1 = whole_;
+      whole_ = -1;
       return true;
     }
     if (left_ == 0) return false;
-    // (left_ is never all ones, kAllChunks: ~(left_ >> first) has a bit set.)
     const int first = __builtin_ctzll(left_);
-    const int length = __builtin_ctzll(~(left_ >> first));
+    const int length = __builtin_ctzll(~(left_ >> first));  // (a bit of ~ is set: left_ != ~0)
     p0 = 16 * int64_t(first);
     p1 = 16 * int64_t(first + length);
     left_ = first + length >= 64 ? 0 : left_ & (~uint64_t(0) << (first + length));
@@ -118,8 +121,8 @@ class ChunkRuns {
   }
 
  private:
-  uint64_t left_;
-  int64_t k_;
+  int64_t whole_;   // k while all of k is still to come, else -1
+  uint64_t left_;   // the chunks of the runs still to come
 };
 
 // acc[r] += A[r, p0:p1] W[p0:p1, 0:16] for rows r < R.
@@ -187,8 +190,6 @@ TF_AVX2 inline void panel_gemm_avx2(
     int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
     const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
     const uint64_t* a_chunks, const uint64_t* c_chunks, float* celu_d) {
-  // A tile with every chunk of k takes the plain loop over k.
-  const uint64_t all_of_k = k >= 16 * 64 ? kAllChunks : (uint64_t(1) << (k / 16)) - 1;
   for (int64_t j = 0; j < n; j += 16) {
     const float* wj = w + j * k;
     const float* bj = bias ? bias + j : nullptr;
@@ -200,8 +201,7 @@ TF_AVX2 inline void panel_gemm_avx2(
           for (int64_t q = 0; q < rows; ++q) std::memset(cr + q * ldc, 0, 16 * sizeof(float));
         continue;
       }
-      uint64_t kc = a_chunks != nullptr ? chunks_of(a_chunks + r, rows) : kAllChunks;
-      if ((kc & all_of_k) == all_of_k) kc = kAllChunks;
+      const uint64_t kc = a_chunks != nullptr ? chunks_of(a_chunks + r, rows) : kAllChunks;
       const float* ar = a + r * lda;
       const float* dr = d ? d + r * ldd + j : nullptr;
       float* er = celu_d ? celu_d + r * ldc + j : nullptr;
@@ -288,7 +288,6 @@ TF_AVX512 inline void panel_gemm_avx512(
     int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
     const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
     const uint64_t* a_chunks, const uint64_t* c_chunks, float* celu_d) {
-  const uint64_t all_of_k = k >= 16 * 64 ? kAllChunks : (uint64_t(1) << (k / 16)) - 1;
   for (int64_t j0 = 0; j0 < n; j0 += 64) {
     const int64_t group_end = std::min<int64_t>(n, j0 + 64);
     for (int64_t r = 0; r < m; r += 6) {
@@ -305,8 +304,7 @@ TF_AVX512 inline void panel_gemm_avx512(
         }
       }
       if (panels == 0) continue;
-      uint64_t kc = a_chunks != nullptr ? chunks_of(a_chunks + r, rows) : kAllChunks;
-      if ((kc & all_of_k) == all_of_k) kc = kAllChunks;
+      const uint64_t kc = a_chunks != nullptr ? chunks_of(a_chunks + r, rows) : kAllChunks;
       const float* ar = a + r * lda;
       const float* dr = d ? d + r * ldd : nullptr;
       float* er = celu_d ? celu_d + r * ldc : nullptr;

@@ -546,6 +546,7 @@ TF_AVX2 void radial_backward(const NeighborArrays& nb, const Consts<float>& k, c
 TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                 const float* diff, const HalfEdges& h, const Consts<float>& k,
                                 float* aev) {
+  const simd::FlushDenormals flush;
   CentreScratch w;
   const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
@@ -566,6 +567,7 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
 TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                  const float* diff, const HalfEdges& h, const Consts<float>& k,
                                  const float* grad_aev, float* grad_edge) {
+  const simd::FlushDenormals flush;
   CentreScratch w;
   const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {

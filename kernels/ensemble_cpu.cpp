@@ -29,10 +29,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
 #include "output_cache.h"
+#include "simd_math.h"
 #include "small_gemm.h"
 
 namespace torchani_fast {
@@ -482,6 +484,7 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const simd::FlushDenormals flush(std::is_same_v<T, float>);
     thread_local std::vector<T> scratch;
     thread_local std::vector<uint64_t> chunk_bits;
     for (int64_t t = next++; t < num_tasks; t = next++) {

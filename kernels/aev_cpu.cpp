@@ -99,9 +99,14 @@ struct NeighborArrays {
   std::vector<int64_t> seg;   // (S + 1,) first neighbour of each species
   int64_t n = 0;
 
+  // The first n entries are all written before they are read; only the
+  // padding is zeroed here (the memory is reused from centre to centre).
   void resize(int64_t count, int64_t S) {
     n = count;
-    for (auto* v : {&x, &y, &z, &r, &fc, &dfc, &inv_r}) v->assign(n + 8, 0.0f);
+    for (auto* v : {&x, &y, &z, &r, &fc, &dfc, &inv_r}) {
+      if (v->size() < static_cast<size_t>(n + 8)) v->resize(n + 8);
+      std::fill_n(v->data() + n, 8, 0.0f);
+    }
     edge.resize(n + 8);
     seg.assign(S + 1, 0);
   }

@@ -15,9 +15,11 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "aev_cpu_common.h"
+#include "simd_math.h"
 
 namespace torchani_fast {
 
@@ -72,6 +74,7 @@ at::Tensor aev_jvp_cpu(const at::Tensor& tangent, const at::Tensor& species,
     scalar_t* o = out.data_ptr<scalar_t>();
     std::vector<scalar_t> fcw(u.size());
     at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+      const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
       std::vector<scalar_t> w(aev_math::angular_scratch_len(kv));
       for (int64_t i = begin; i < end; ++i)
         if (spp[i] >= 0)
@@ -107,6 +110,7 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
     const int64_t* spp = sp.data_ptr<int64_t>();
     const scalar_t* gp = g.data_ptr<scalar_t>();
     at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+      const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
       std::vector<scalar_t> w(aev_math::angular_scratch_len(kv));
       for (int64_t i = begin; i < end; ++i)
         if (spp[i] >= 0)
@@ -175,6 +179,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
     const scalar_t* gp = g.data_ptr<scalar_t>();
     std::vector<scalar_t> fcw(3 * E);
     at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+      const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
       std::vector<scalar_t> w(aev_math::angular_scratch_len(kv));
       for (int64_t i = begin; i < end; ++i)
         if (spp[i] >= 0)

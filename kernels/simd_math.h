@@ -66,9 +66,10 @@ inline bool have_avx512() { return level() >= kAvx512; }
 
 // While in scope, this thread's SSE/AVX arithmetic flushes denormal results to
 // zero and reads denormal inputs as zero (MXCSR FTZ and DAZ); the caller's
-// mode comes back at the end of the scope. For the float32 hot loops only:
-// their denormals (AEV terms and CELU derivatives below 1.2e-38, 30 orders of
-// magnitude under anything that can change an energy or a force) each cost a
+// mode comes back at the end of the scope. For the float32 kernels only (the
+// AEV, its first and second derivatives, the networks op): their denormals
+// (AEV terms and CELU derivatives below 1.2e-38, 30 orders of magnitude under
+// anything that can change an energy, a force or a Hessian) each cost a
 // microcode assist; the AEV of 1hz5 (973 atoms) has 362 of them. Every thread
 // of a parallel region sets its own (the mode is per thread), so results do
 // not depend on the caller's mode or the thread count. `enable` false (the

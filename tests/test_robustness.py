@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import torch
+import torchani_fast.grad
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -232,6 +233,9 @@ def test_denormal_mode_of_the_caller(pairs, caller_flushes):
         torch.set_flush_denormal(caller_flushes)
         aev1 = aevc(elem, coords)
         e1, f1 = energy_forces(fast, species, coords)
+        assert _denormals_kept() == (not caller_flushes)
+        # The second-derivative kernels (one-pass Hessian) give the mode back too.
+        torchani_fast.grad.energies_forces_and_hessians(fast, species[:, :12], coords[:, :12])
         assert _denormals_kept() == (not caller_flushes)
     finally:
         torch.set_flush_denormal(False)

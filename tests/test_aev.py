@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,13 +138,18 @@ def test_float32_computed_in_float32():
     assert out.dtype == torch.float32
 
 
-@pytest.mark.parametrize("dtype,delta", [(torch.float32, 3e-5), (torch.float64, 2e-9)], ids=["f32", "f64"])
+@pytest.mark.parametrize("dtype,delta", [(torch.float32, 3e-5), (torch.float32, "ulp"), (torch.float64, 2e-9)],
+                         ids=["f32", "f32-one-ulp", "f64"])
 def test_cutoff_tail_is_accurate(dtype, delta, device):
     # Just inside a cutoff, TorchANI's 0.5 cos(pi r / Rc) + 0.5 rounds to exactly 0
     # (float32: the last 7.8e-5 Rc; float64: 5e-9 Rc) while its slope does not.
     # Ours keeps the accurate value, sin^2(pi (Rc - r) / (2 Rc)), so that a
     # neighbour inside the cutoff never leaves its AEV block 0: FusedEnsemble's
-    # rare-element split reads a zero block as "no such neighbour".
+    # rare-element split reads a zero block as "no such neighbour". "ulp": the
+    # float32 distances one step below the cutoffs, where the blocks' terms
+    # (1e-15 for the radial block here, at least 1e-29 for an angular block)
+    # must also survive the float32 kernels' flushing of denormals (below
+    # 1.2e-38).
     ref, fast = model_pair("ANI2x", dtype)
     aevc = fast.potentials["nnp"].aev_computer.to(device)
     ref_aevc = ref.potentials["nnp"].aev_computer
@@ -151,8 +157,13 @@ def test_cutoff_tail_is_accurate(dtype, delta, device):
     # C at the origin; O just inside the radial cutoff, H just inside the angular
     # one, N at 1.1 A (so that the C has an (H, N) triple).
     species = torch.tensor([[6, 8, 1, 7]])
-    coords = torch.tensor([[[0.0, 0.0, 0.0], [-rc_r * (1 - delta), 0.0, 0.0],
-                            [rc_a * (1 - delta), 0.0, 0.0], [0.0, 1.1, 0.0]]], dtype=dtype)
+    if delta == "ulp":
+        below = lambda rc: float(np.nextafter(np.float32(rc), np.float32(0)))  # noqa: E731
+        r_r, r_a = below(rc_r), below(rc_a)
+    else:
+        r_r, r_a = rc_r * (1 - delta), rc_a * (1 - delta)
+    coords = torch.tensor([[[0.0, 0.0, 0.0], [-r_r, 0.0, 0.0],
+                            [r_a, 0.0, 0.0], [0.0, 1.1, 0.0]]], dtype=dtype)
     elem = ref.species_converter(species)
     x = coords.to(device).requires_grad_(True)
     aev = aevc(elem.to(device), x)
@@ -160,7 +171,10 @@ def test_cutoff_tail_is_accurate(dtype, delta, device):
     aev, grad = aev.detach().cpu()[0, 0], grad.cpu()
     # The O's radial block of the C: 0.25 exp(-eta (r - shift)^2) fc(r), in float64.
     r = torch.linalg.vector_norm(coords[0, 1]).double()
-    fc = torch.sin(torch.pi * (rc_r - r) / (2 * rc_r)) ** 2
+    # (with the cutoff as the kernels hold it: 5.1 rounded to float32 is 9.5e-8
+    # below 5.1, a fifth of the one-ulp case's Rc - r)
+    rc = float(np.float32(rc_r)) if dtype == torch.float32 else rc_r
+    fc = torch.sin(torch.pi * (rc - r) / (2 * rc)) ** 2
     radial = ref_aevc.radial
     expected = 0.25 * torch.exp(-radial.eta.double() * (r - radial.shifts.double()) ** 2) * fc
     o_block = aev[3 * 16: 4 * 16].double()  # element order H C N O S F Cl

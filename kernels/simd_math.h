@@ -70,14 +70,15 @@ inline bool have_avx512() { return level() >= kAvx512; }
 // AEV, its first and second derivatives, the networks op): their denormals
 // (AEV terms and CELU derivatives below 1.2e-38, 30 orders of magnitude under
 // anything that can change an energy, a force or a Hessian) each cost a
-// microcode assist; the AEV of 1hz5 (973 atoms) has 362 of them. Flushing
-// never empties an AEV block that has a neighbour: the float32 cutoff stays
-// above 1e-14 one step below Rc (aev_math::cutoff_tail), so such a block keeps
-// a term above 1e-29 (the networks skip only all-zero blocks; tested in
-// test_cutoff_tail_is_accurate). Every thread
-// of a parallel region sets its own (the mode is per thread), so results do
-// not depend on the caller's mode or the thread count. `enable` false (the
-// float64 kernels) leaves the mode alone.
+// microcode assist; the AEV of 1hz5 (973 atoms) has 362 of them.
+//
+// Flushing never empties an AEV block that has a neighbour: the float32 cutoff
+// stays above 1e-14 one step below Rc (aev_math::cutoff_tail), so such a block
+// keeps a term above 1e-29 (the networks skip only all-zero blocks; tested in
+// test_cutoff_tail_is_accurate). Every thread of a parallel region sets its
+// own mode (it is per thread), so results depend neither on the caller's mode
+// nor on the thread count. `enable` false (the float64 kernels) leaves the
+// mode alone.
 class FlushDenormals {
  public:
   explicit FlushDenormals(bool enable = true) {

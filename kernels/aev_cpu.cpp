@@ -551,7 +551,6 @@ TF_AVX2 void radial_backward(const NeighborArrays& nb, const Consts<float>& k, c
 TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                 const float* diff, const HalfEdges& h, const Consts<float>& k,
                                 float* aev) {
-  const simd::FlushDenormals flush;
   CentreScratch w;
   const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
@@ -572,7 +571,6 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
 TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                  const float* diff, const HalfEdges& h, const Consts<float>& k,
                                  const float* grad_aev, float* grad_edge) {
-  const simd::FlushDenormals flush;
   CentreScratch w;
   const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
@@ -597,6 +595,7 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (vector_path(k)) {
       at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+        const simd::FlushDenormals flush;
         forward_atoms_avx2(begin, end, species, diff, h, k, aev);
       });
       return;
@@ -604,6 +603,7 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
   }
 #endif
   at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+    const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
     std::vector<Neighbor<scalar_t>> nbrs, ang;
     std::vector<scalar_t> f1(k.Z), f2(k.A), fc_a;
     for (int64_t i = begin; i < end; ++i) {
@@ -652,6 +652,7 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (vector_path(k)) {
       at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+        const simd::FlushDenormals flush;
         backward_atoms_avx2(begin, end, species, diff, h, k, grad_aev, grad_edge);
       });
       return;
@@ -659,6 +660,7 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
   }
 #endif
   at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+    const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
     std::vector<Neighbor<scalar_t>> nbrs, ang;
     std::vector<scalar_t> f1(k.Z), df1(k.Z), f2(k.A), df2(k.A), fc_a, dfc_a, inv_r;
     for (int64_t i = begin; i < end; ++i) {

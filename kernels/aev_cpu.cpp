@@ -644,6 +644,13 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
   });
 }
 
+// The half-edge gradients of atoms [begin, end), zeroed by the thread that
+// then adds to them (each atom writes only its own half edges).
+template <typename scalar_t>
+void zero_edges(const HalfEdges& h, int64_t begin, int64_t end, scalar_t* grad_edge) {
+  std::fill(grad_edge + 3 * h.start[begin], grad_edge + 3 * h.start[end], scalar_t(0));
+}
+
 template <typename scalar_t>
 void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdges& h,
                      const Consts<scalar_t>& k, int64_t num_atoms, const scalar_t* grad_aev,
@@ -653,6 +660,7 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
     if (vector_path(k)) {
       at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
         const simd::FlushDenormals flush;
+        zero_edges(h, begin, end, grad_edge);
         backward_atoms_avx2(begin, end, species, diff, h, k, grad_aev, grad_edge);
       });
       return;
@@ -661,6 +669,7 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
 #endif
   at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
     const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
+    zero_edges(h, begin, end, grad_edge);
     std::vector<Neighbor<scalar_t>> nbrs, ang;
     std::vector<scalar_t> f1(k.Z), df1(k.Z), f2(k.A), df2(k.A), fc_a, dfc_a, inv_r;
     for (int64_t i = begin; i < end; ++i) {
@@ -778,11 +787,11 @@ at::Tensor aev_backward_cpu(const at::Tensor& grad_aev, const at::Tensor& specie
   const AevInputs in(op, species, pairs, diff_vectors, p);
   check_grad_aev(op, grad_aev, species, p);
   auto g = in.working(grad_aev);
-  auto grad_diff = at::zeros({in.P, 3}, in.diff.options());
+  auto grad_diff = at::empty({in.P, 3}, in.diff.options());  // every row written by edges_to_pairs
   AT_DISPATCH_FLOATING_TYPES(in.diff.scalar_type(), "aev_backward_cpu", [&] {
     Consts<scalar_t> k(p);
     auto h = in.half_edges<scalar_t>(p.radial_cutoff);
-    std::vector<scalar_t> grad_edge(3 * h.start[in.N], scalar_t(0));
+    UninitVector<scalar_t> grad_edge(3 * h.start[in.N]);  // zeroed by backward_kernel
     backward_kernel(in.species.data_ptr<int64_t>(), in.diff.data_ptr<scalar_t>(), h, k, in.N,
                     g.data_ptr<scalar_t>(), grad_edge.data());
     edges_to_pairs(h, grad_edge.data(), in.P, grad_diff.data_ptr<scalar_t>());

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "aev_second_derivs.h"
@@ -21,58 +23,118 @@ using aev_math::cutoff_cos_deriv;
 using aev_math::make_triple;
 using aev_math::Neighbor;
 
+// A std::vector allocator that leaves new elements uninitialised, for large
+// index and gradient arrays that are written in parallel before they are read
+// (value-initialising them would be one thread's memset).
+template <typename T>
+struct UninitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitAllocator<U>;
+  };
+  UninitAllocator() = default;
+  template <typename U>
+  UninitAllocator(const UninitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <typename T>
+using UninitVector = std::vector<T, UninitAllocator<T>>;
+
 // Half edges grouped by their owning atom (compressed sparse rows).
 struct HalfEdges {
-  std::vector<int64_t> start;   // (N+1,) first half edge of each atom
-  std::vector<int64_t> pair;    // (E,) pair index
-  std::vector<int64_t> other;   // (E,) the neighbour atom
-  std::vector<int64_t> edge0;   // (P,) half edge owned by i0, or -1
-  std::vector<int64_t> edge1;   // (P,) half edge owned by i1, or -1
+  std::vector<int64_t> start;    // (N+1,) first half edge of each atom
+  UninitVector<int64_t> pair;    // (E,) pair index
+  UninitVector<int64_t> other;   // (E,) the neighbour atom
+  UninitVector<int64_t> edge0;   // (P,) half edge owned by i0, or -1
+  UninitVector<int64_t> edge1;   // (P,) half edge owned by i1, or -1
 };
 
 // Pairs that touch a padding atom or lie beyond the radial cutoff are dropped
 // here, so callers may pass any superset of the true neighbour list.
+//
+// In parallel over contiguous chunks of pairs: each chunk counts its half
+// edges per atom, then places them after those of the chunks before it. Every
+// atom's half edges therefore come in pair order, exactly as one serial pass
+// over the pairs would place them, for any number of chunks (the AEV sums
+// over them in that order: the same bits for any thread count).
 template <typename scalar_t>
 HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int64_t* i0,
                            const int64_t* i1, const scalar_t* diff, int64_t num_pairs,
                            double cutoff) {
   HalfEdges h;
-  h.start.assign(num_atoms + 1, 0);
-  h.edge0.assign(num_pairs, -1);
-  h.edge1.assign(num_pairs, -1);
   const scalar_t cutoff_sq = static_cast<scalar_t>(cutoff * cutoff);
-  std::vector<char> keep(num_pairs, 0);
-  for (int64_t p = 0; p < num_pairs; ++p) {
-    const int64_t a = i0[p], b = i1[p];
-    // A negative index marks an unused slot of a fixed-capacity pair list.
-    if (a < 0 || b < 0) continue;
-    TORCH_CHECK(a < num_atoms && b < num_atoms, "torchani_fast::aev: pairs must index the ",
-                num_atoms, " flattened atoms, got pair ", p, " = (", a, ", ", b, ")");
-    if (species[a] < 0 || species[b] < 0) continue;
-    const scalar_t* d = diff + 3 * p;
-    const scalar_t r2 = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];
-    if (!(r2 <= cutoff_sq)) continue;
-    keep[p] = 1;
-    h.start[a + 1]++;
-    h.start[b + 1]++;
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_pairs / 16384));
+  const auto chunk_begin = [&](int64_t c) { return num_pairs * c / chunks; };
+  // count: per chunk and atom, the atom's half edges in the chunk, and after
+  // the prefix pass the first of them.
+  std::vector<int64_t> count(chunks * num_atoms, 0), bad(chunks, -1);
+  h.edge0.resize(num_pairs);  // -1 for a dropped pair, 0 for a kept one until it is placed
+  h.edge1.resize(num_pairs);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* cnt = count.data() + c * num_atoms;
+      for (int64_t p = chunk_begin(c); p < chunk_begin(c + 1); ++p) {
+        const int64_t a = i0[p], b = i1[p];
+        h.edge0[p] = h.edge1[p] = -1;
+        // A negative index marks an unused slot of a fixed-capacity pair list.
+        if (a < 0 || b < 0) continue;
+        if (a >= num_atoms || b >= num_atoms) {
+          bad[c] = p;  // reported below: the first bad pair of all
+          break;
+        }
+        if (species[a] < 0 || species[b] < 0) continue;
+        const scalar_t* d = diff + 3 * p;
+        const scalar_t r2 = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];
+        if (!(r2 <= cutoff_sq)) continue;
+        h.edge0[p] = 0;
+        cnt[a]++;
+        cnt[b]++;
+      }
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t p = bad[c];
+    TORCH_CHECK(p < 0, "torchani_fast::aev: pairs must index the ", num_atoms,
+                " flattened atoms, got pair ", p, " = (", i0[p < 0 ? 0 : p], ", ",
+                i1[p < 0 ? 0 : p], ")");
   }
-  for (int64_t n = 0; n < num_atoms; ++n) h.start[n + 1] += h.start[n];
+  h.start.assign(num_atoms + 1, 0);
+  for (int64_t n = 0, e = 0; n < num_atoms; ++n) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k = count[c * num_atoms + n];
+      count[c * num_atoms + n] = e;
+      e += k;
+    }
+    h.start[n + 1] = e;
+  }
   const int64_t num_edges = h.start[num_atoms];
   h.pair.resize(num_edges);
   h.other.resize(num_edges);
-  std::vector<int64_t> cursor(h.start.begin(), h.start.end() - 1);
-  for (int64_t p = 0; p < num_pairs; ++p) {
-    if (!keep[p]) continue;
-    const int64_t a = i0[p], b = i1[p];
-    int64_t e = cursor[a]++;
-    h.pair[e] = p;
-    h.other[e] = b;
-    h.edge0[p] = e;
-    e = cursor[b]++;
-    h.pair[e] = p;
-    h.other[e] = a;
-    h.edge1[p] = e;
-  }
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* cursor = count.data() + c * num_atoms;
+      for (int64_t p = chunk_begin(c); p < chunk_begin(c + 1); ++p) {
+        if (h.edge0[p] < 0) continue;
+        const int64_t a = i0[p], b = i1[p];
+        int64_t e = cursor[a]++;
+        h.pair[e] = p;
+        h.other[e] = b;
+        h.edge0[p] = e;
+        e = cursor[b]++;
+        h.pair[e] = p;
+        h.other[e] = a;
+        h.edge1[p] = e;
+      }
+    }
+  });
   return h;
 }
 
@@ -168,15 +230,16 @@ void gather_neighbors(const HalfEdges& h, int64_t center, const int64_t* species
 
 // Per-half-edge values (3 per edge) -> per-pair values (P, 3): the
 // centre-to-neighbour vector is -diff for the half edge owned by i0 and +diff
-// for the one owned by i1. Pairs without half edges are left untouched.
+// for the one owned by i1. Pairs without half edges get zeros (out may be
+// uninitialised).
 template <typename scalar_t>
 void edges_to_pairs(const HalfEdges& h, const scalar_t* edge_vals, int64_t num_pairs,
                     scalar_t* out) {
   at::parallel_for(0, num_pairs, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       const int64_t e0 = h.edge0[q], e1 = h.edge1[q];
-      if (e0 < 0) continue;
-      for (int c = 0; c < 3; ++c) out[3 * q + c] = edge_vals[3 * e1 + c] - edge_vals[3 * e0 + c];
+      for (int c = 0; c < 3; ++c)
+        out[3 * q + c] = e0 < 0 ? scalar_t(0) : edge_vals[3 * e1 + c] - edge_vals[3 * e0 + c];
     }
   });
 }

@@ -97,7 +97,7 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
   const int64_t N = in.N, P = in.P;
   const at::Tensor& sp = in.species;
   const at::Tensor& diff = in.diff;
-  auto out = at::zeros({P, 3}, diff.options());
+  auto out = at::empty({P, 3}, diff.options());  // every row written by edges_to_pairs
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_double_backward_cpu", [&] {
     Consts<scalar_t> k(p);
     auto h = in.half_edges<scalar_t>(p.radial_cutoff);

@@ -624,19 +624,23 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_atoms", [&] {
       const scalar_t* xp = x.data_ptr<scalar_t>();
       const int64_t F = x.size(1);
-      for (int64_t a = 0; a < n; ++a) {
-        const scalar_t* row = xp + a * F;
-        int64_t bits = 0;
-        for (int64_t s = 0; s < S; ++s) {
-          if (any_nonzero(row + s * radial_sublen, radial_sublen)) bits |= int64_t(1) << s;
+      at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t a = begin; a < end; ++a) {
+          const scalar_t* row = xp + a * F;
+          int64_t bits = 0;
+          for (int64_t s = 0; s < S; ++s) {
+            if (any_nonzero(row + s * radial_sublen, radial_sublen)) bits |= int64_t(1) << s;
+          }
+          seen[a] = bits;
         }
-        seen[a] = bits;
-        const int64_t el = element(a);
-        if (el < 0) continue;
-        for (int64_t s = 0; s < S; ++s)
-          if ((bits >> s) & 1) table[el * S + s]++;
-      }
+      });
     });
+    for (int64_t a = 0; a < n; ++a) {
+      const int64_t el = element(a);
+      if (el < 0) continue;
+      for (int64_t s = 0; s < S; ++s)
+        if ((seen[a] >> s) & 1) table[el * S + s]++;
+    }
     for (int64_t el = 0; el < S; ++el) {
       if (count[el] < 2 * split_min_atoms) continue;
       int64_t bits = 0, hits = 0;

@@ -236,31 +236,37 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
 }
 
 // Pairs and images from the chunks, in order (count[i] records belong to atom i);
-// each chunk is freed once copied.
+// each chunk is copied out (in parallel, to its place after the chunks before
+// it) and freed.
 template <typename scalar_t>
 void write_pairs(std::vector<std::vector<int64_t>>& found, const std::vector<int64_t>& count,
                  at::Tensor& pairs, at::Tensor& images, const at::TensorOptions& long_opts,
                  const at::TensorOptions& float_opts) {
-  int64_t P = 0;
-  for (const auto& f : found) P += static_cast<int64_t>(f.size()) / kRecord;
+  const int64_t num_chunks = static_cast<int64_t>(found.size());
+  std::vector<int64_t> offset(num_chunks + 1, 0);
+  for (int64_t c = 0; c < num_chunks; ++c)
+    offset[c + 1] = offset[c] + static_cast<int64_t>(found[c].size()) / kRecord;
+  const int64_t P = offset[num_chunks];
   pairs = at::empty({2, P}, long_opts);
   images = at::empty({P, 3}, float_opts);
   int64_t* first = pairs.data_ptr<int64_t>();
   int64_t* second = first + P;
   scalar_t* img = images.data_ptr<scalar_t>();
   const int64_t N = static_cast<int64_t>(count.size());
-  int64_t p = 0;
-  for (int64_t c = 0; c < static_cast<int64_t>(found.size()); ++c) {
-    auto& f = found[c];
-    size_t q = 0;
-    for (int64_t i = c * kChunk; i < std::min(N, (c + 1) * kChunk); ++i)
-      for (int64_t k = 0; k < count[i]; ++k, ++p, q += kRecord) {
-        first[p] = i;
-        second[p] = f[q];
-        for (int a = 0; a < 3; ++a) img[3 * p + a] = static_cast<scalar_t>(f[q + 1 + a]);
-      }
-    std::vector<int64_t>().swap(f);
-  }
+  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      auto& f = found[c];
+      int64_t p = offset[c];
+      size_t q = 0;
+      for (int64_t i = c * kChunk; i < std::min(N, (c + 1) * kChunk); ++i)
+        for (int64_t k = 0; k < count[i]; ++k, ++p, q += kRecord) {
+          first[p] = i;
+          second[p] = f[q];
+          for (int a = 0; a < 3; ++a) img[3 * p + a] = static_cast<scalar_t>(f[q + 1 + a]);
+        }
+      std::vector<int64_t>().swap(f);
+    }
+  });
 }
 
 }  // namespace

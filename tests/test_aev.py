@@ -294,3 +294,46 @@ def test_reused_output_memory_never_overwrites_a_held_tensor():
         # others are zero for this composition, and so is their gradient there).
         used = expected[0].ne(0).flatten(0, 1).any(0)
         torch.testing.assert_close(got[1][..., used], expected[1][..., used], rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_half_edges_same_bits_for_any_thread_count():
+    """Above 16 384 pairs the CPU AEV ops build their half edges in parallel
+    chunks of pairs (kernels/aev_cpu_common.h), each atom's half edges still in
+    pair order: the AEV, its gradient and the second-derivative product give
+    the same bits with 1 and 2 threads (1 thread: one chunk, the serial order).
+    A pair that indexes no atom is reported, the first one of all."""
+    ref = reference_model("ANI2x", torch.float64)
+    species, coords, _, _ = atoms_to_tensors(read_molecule("1hz5.xyz"), torch.float64)
+    # A batch of two copies of 1hz5 (973 atoms), the second one displaced.
+    species, coords = species.repeat(2, 1), torch.cat([coords, coords + 0.05 * torch.sin(coords)])
+    elem = ref.species_converter(species)
+    pairs, _ = ops.neighbor_pairs(elem, coords, None, None, 5.2, False)
+    assert pairs.shape[1] > 2 * 16384
+    flat = coords.view(-1, 3)
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        diff = (flat[pairs[0]] - flat[pairs[1]]).to(dtype)
+        args = aev_args(ref.potentials["nnp"].aev_computer, dtype)
+        weights = torch.sin(torch.arange(elem.numel() * 1008, dtype=dtype)).view(1, -1, 1008)
+        tangent = torch.cos(torch.arange(diff.numel(), dtype=dtype)).view_as(diff)
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                results[dtype, n] = (ops.aev(elem, pairs, diff, *args),
+                                     ops.aev_backward(weights, elem, pairs, diff, *args),
+                                     ops.aev_double_backward(weights, tangent, elem, pairs, diff, *args))
+        finally:
+            torch.set_num_threads(threads)
+        for a, b in zip(results[dtype, 1], results[dtype, 2]):
+            assert torch.equal(a, b)
+        assert results[dtype, 1][1].abs().sum() > 0
+    bad = pairs.clone()
+    first_bad, later_bad = 100, pairs.shape[1] - 100  # one in each of the two chunks
+    bad[1, later_bad] = elem.numel() + 5
+    bad[0, first_bad] = elem.numel() + 7
+    diff = flat[pairs[0]] - flat[pairs[1]]
+    args = aev_args(ref.potentials["nnp"].aev_computer, torch.float64)
+    with pytest.raises(RuntimeError, match=f"pairs must index the {elem.numel()} flattened atoms, "
+                                           f"got pair {first_bad} = \\({elem.numel() + 7}, "):
+        ops.aev(elem, bad, diff, *args)

@@ -74,6 +74,11 @@ inline void add_triple_grad(const Neighbor<scalar_t>& n1, const Neighbor<scalar_
 }
 
 #ifdef TF_SIMD_AVX2
+// (GCC 12's AVX-512 headers read `_mm256_undefined_*()` in the casts and
+// extracts of the 16-lane code; the values are never used.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // float32 on AVX2 CPUs when R is a multiple of 8, A <= 8 and Z is 1, 2, 4 or 8
 // (every ANI model: ANI-1x A = 4, Z = 8; ANI-2x A = 8, Z = 4). Radial terms:
 // 8 shifts per vector. Angular terms: 8 triples per vector. An atom's angular
@@ -89,25 +94,26 @@ bool vector_path(const Consts<float>& k) {
 }
 
 // The neighbours of one centre, sorted by species (stably), as structures of
-// arrays with 8 entries of padding after the last (read by partly used
-// vectors, whose extra lanes are masked or overwritten): all of them (radial
+// arrays with 16 entries of padding after the last (read by partly used
+// vectors of 8 or 16 lanes, whose extra lanes are masked or overwritten): all of them (radial
 // terms), and again those within the angular cutoff, each with its cutoff
 // (and for the backward its derivative, and 1 / r, 0 at r = 0).
 struct NeighborArrays {
   std::vector<float> x, y, z, r, fc, dfc, inv_r;
-  std::vector<int64_t> edge;  // the half edge of each (and 8 entries of scratch)
+  std::vector<int64_t> edge;  // the half edge of each (and 16 entries of scratch)
   std::vector<int64_t> seg;   // (S + 1,) first neighbour of each species
   int64_t n = 0;
+  static constexpr int64_t kPad = 16;
 
   // The first n entries are all written before they are read; only the
   // padding is zeroed here (the memory is reused from centre to centre).
   void resize(int64_t count, int64_t S) {
     n = count;
     for (auto* v : {&x, &y, &z, &r, &fc, &dfc, &inv_r}) {
-      if (v->size() < static_cast<size_t>(n + 8)) v->resize(n + 8);
-      std::fill_n(v->data() + n, 8, 0.0f);
+      if (v->size() < static_cast<size_t>(n + kPad)) v->resize(n + kPad);
+      std::fill_n(v->data() + n, kPad, 0.0f);
     }
-    edge.resize(n + 8);
+    edge.resize(n + kPad);
     seg.assign(S + 1, 0);
   }
   // fc (and dfc, inv_r) of every neighbour for the cutoff rc.
@@ -138,7 +144,8 @@ struct NeighborArrays {
 struct CentreScratch {
   NeighborArrays all, ang;
   std::vector<int64_t> cursor;
-  // Triples, block after block, each block padded to a multiple of 8.
+  // Triples, block after block, each block padded to a multiple of 8 (16 for
+  // the 16-lane backward).
   // Forward and backward: c = 0.95 cos, sqrt(1 - c^2), the mean distance and
   // fc1 fc2. Backward also: cos (unclamped), whether the product r1 r2 was
   // clamped (a lane mask), the two neighbours' cutoffs, cutoff derivatives and
@@ -211,12 +218,13 @@ TF_AVX2_INLINE void store_at(std::vector<float>& v, int64_t t, __m256 x) {
   _mm256_storeu_ps(v.data() + t, x);
 }
 
-// The triples of every species pair present, block after block; lanes run
-// over the second neighbour l for a fixed first neighbour j. The geometry is
-// make_triple's, lane for lane.
-TF_AVX2 void list_triples(CentreScratch& w, const Consts<float>& k, bool backward) {
+// The triples of every species pair present, block after block, each block
+// padded to a multiple of `pad` (8, or 16 for the 16-lane backward); lanes
+// run over the second neighbour l for a fixed first neighbour j. The geometry
+// is make_triple's, lane for lane.
+TF_AVX2 void list_triples(CentreScratch& w, const Consts<float>& k, bool backward, int64_t pad) {
   const int64_t n = w.ang.n;
-  size_t cap = static_cast<size_t>(n * (n - 1) / 2 + 8 * (k.S * (k.S + 1) / 2 + 1));
+  size_t cap = static_cast<size_t>(n * (n - 1) / 2 + 16 * (k.S * (k.S + 1) / 2 + 1));
   if (w.c.size() < cap) {
     for (auto* v : {&w.c, &w.sin_c, &w.mean_r, &w.fcc}) v->resize(cap);
   }
@@ -277,15 +285,17 @@ TF_AVX2 void list_triples(CentreScratch& w, const Consts<float>& k, bool backwar
       if (t == begin) continue;
       // Padding lanes: no cutoff, so they add exactly zero (c = 0 and a unit
       // sine keep their terms finite).
-      store_at(w.c, t, zero);
-      store_at(w.sin_c, t, one);
-      store_at(w.mean_r, t, zero);
-      store_at(w.fcc, t, zero);
-      if (backward)
-        for (auto* v : {&w.q, &w.clamped, &w.fc1, &w.fc2, &w.dfc1, &w.dfc2, &w.inv1, &w.inv2})
-          store_at(*v, t, zero);
+      for (int64_t u = t; u < t + pad; u += 8) {
+        store_at(w.c, u, zero);
+        store_at(w.sin_c, u, one);
+        store_at(w.mean_r, u, zero);
+        store_at(w.fcc, u, zero);
+        if (backward)
+          for (auto* v : {&w.q, &w.clamped, &w.fc1, &w.fc2, &w.dfc1, &w.dfc2, &w.inv1, &w.inv2})
+            store_at(*v, u, zero);
+      }
       w.blocks.push_back({k.pair_index(s1, s2), begin, t - begin});
-      t = begin + (t - begin + 7) / 8 * 8;
+      t = begin + (t - begin + pad - 1) / pad * pad;
     }
   }
 }
@@ -327,6 +337,23 @@ TF_AVX2_INLINE __m256 sums8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+TF_AVX512_INLINE __m512 load16(const std::vector<float>& v, int64_t t) {
+  return _mm512_loadu_ps(v.data() + t);
+}
+
+// The 8 sums of acc added to o[0 .. valid) (valid < 8: a pass of shifts that
+// runs past the last one).
+TF_AVX2_INLINE void add_sums(const __m256* acc, int64_t valid, float* o) {
+  const __m256 sums = sums8(acc);
+  if (valid == 8) {
+    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), sums));
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, sums);
+    for (int64_t e = 0; e < valid; ++e) o[e] += tmp[e];
+  }
+}
+
 // One block's terms added to its AEV block `out` (A x Z, z fastest): first
 // f1 fc1 fc2 per triple and section, then per pass over the triples 8 / Z
 // shifts, one accumulator per term.
@@ -362,17 +389,61 @@ TF_AVX2 void block_forward(CentreScratch& w, const CentreScratch::Block& b,
         for (int i = 0; i < kShifts; ++i) acc[i * Z + zi] = _mm256_fmadd_ps(f2[i], f, acc[i * Z + zi]);
       }
     }
-    float* o = out + a0 * Z;
-    const __m256 sums = sums8(acc);
-    if (a0 + kShifts <= A) {
-      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), sums));
-    } else {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, sums);
-      for (int64_t e = 0; e < (A - a0) * Z; ++e) o[e] += tmp[e];
-    }
+    add_sums(acc, std::min<int64_t>(8, (A - a0) * Z), out + a0 * Z);
   }
 }
+
+// block_forward with its exp and log on 16 lanes (AVX-512: two vectors of 8
+// triples at a time) and its sums on 8, in block_forward's order: the same
+// bits. The block is padded to a multiple of 16 (list_triples).
+template <int Z>
+TF_AVX512 void block_forward512(CentreScratch& w, const CentreScratch::Block& b,
+                                const Consts<float>& k, float* out) {
+  constexpr int kShifts = 8 / Z;
+  const int64_t A = k.A, vectors = (b.count + 7) / 8;
+  if (w.f1.size() < static_cast<size_t>((vectors + 1) * Z * 8)) w.f1.resize((vectors + 1) * Z * 8);
+  float* f1 = w.f1.data();
+  const __m512 half = _mm512_set1_ps(0.5f);
+  for (int64_t v = 0; v < vectors; v += 2) {
+    const int64_t t = b.begin + 8 * v;
+    const __m512 c = load16(w.c, t), s = load16(w.sin_c, t);
+    const __m512 fcc2 = _mm512_mul_ps(_mm512_set1_ps(2.0f), load16(w.fcc, t));
+    for (int zi = 0; zi < Z; ++zi) {
+      const __m512 cdev = _mm512_fmadd_ps(c, _mm512_set1_ps(k.cos_z[zi]), _mm512_mul_ps(s, _mm512_set1_ps(k.sin_z[zi])));
+      const __m512 base = _mm512_mul_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), cdev), half);
+      const __m512 f = _mm512_mul_ps(fcc2, simd::exp(_mm512_mul_ps(_mm512_set1_ps(k.zeta[zi]), simd::log(base))));
+      _mm256_storeu_ps(f1 + (v * Z + zi) * 8, _mm512_castps512_ps256(f));
+      _mm256_storeu_ps(f1 + ((v + 1) * Z + zi) * 8, _mm512_extractf32x8_ps(f, 1));
+    }
+  }
+  for (int64_t a0 = 0; a0 < A; a0 += kShifts) {
+    __m256 acc[8];
+    for (auto& x : acc) x = _mm256_setzero_ps();
+    for (int64_t v = 0; v < vectors; v += 2) {
+      const __m512 m = load16(w.mean_r, b.begin + 8 * v);
+      __m512 f2[kShifts];
+      for (int i = 0; i < kShifts; ++i) {
+        if (a0 + i < A) {
+          const __m512 x = _mm512_sub_ps(m, _mm512_set1_ps(k.shf_a[a0 + i]));
+          f2[i] = simd::exp(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_a[a0 + i]), x), x));
+        } else {
+          f2[i] = _mm512_setzero_ps();
+        }
+      }
+      for (int64_t h = 0; h < 2 && v + h < vectors; ++h) {
+        for (int zi = 0; zi < Z; ++zi) {
+          const __m256 f = _mm256_loadu_ps(f1 + ((v + h) * Z + zi) * 8);
+          for (int i = 0; i < kShifts; ++i) {
+            const __m256 f2h = h == 0 ? _mm512_castps512_ps256(f2[i]) : _mm512_extractf32x8_ps(f2[i], 1);
+            acc[i * Z + zi] = _mm256_fmadd_ps(f2h, f, acc[i * Z + zi]);
+          }
+        }
+      }
+    }
+    add_sums(acc, std::min<int64_t>(8, (A - a0) * Z), out + a0 * Z);
+  }
+}
+
 
 // One block's triples: their gradient coefficients from the block's AEV
 // gradient g (A x Z). With s_val = sum g f, s_dc = sum g df/dc and s_dm = sum
@@ -430,13 +501,76 @@ TF_AVX2 void block_backward(CentreScratch& w, const CentreScratch::Block& b,
   }
 }
 
+// block_backward on 16 lanes (AVX-512: 16 triples per vector), the same
+// operations lane by lane, so the same bits; the block is padded to a
+// multiple of 16 (list_triples).
+template <int Z>
+TF_AVX512 void block_backward512(CentreScratch& w, const CentreScratch::Block& b,
+                                 const Consts<float>& k, const float* g) {
+  const int64_t A = k.A;
+  const __m512 two = _mm512_set1_ps(2.0f), half = _mm512_set1_ps(0.5f);
+  const __m512 shrink = _mm512_set1_ps(0.95f), big = _mm512_set1_ps(1e10f);
+  for (int64_t t = b.begin; t < b.begin + b.count; t += 16) {
+    const __m512 m = load16(w.mean_r, t);
+    __m512 g2[Z], gd2[Z];
+    for (int zi = 0; zi < Z; ++zi) g2[zi] = gd2[zi] = _mm512_setzero_ps();
+    for (int64_t a = 0; a < A; ++a) {
+      const __m512 neg_eta = _mm512_set1_ps(-k.eta_a[a]);
+      const __m512 x = _mm512_sub_ps(m, _mm512_set1_ps(k.shf_a[a]));
+      const __m512 f2 = simd::exp(_mm512_mul_ps(_mm512_mul_ps(neg_eta, x), x));
+      const __m512 df2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(neg_eta, neg_eta), x), f2);
+      for (int zi = 0; zi < Z; ++zi) {
+        const __m512 gz = _mm512_set1_ps(g[a * Z + zi]);
+        g2[zi] = _mm512_fmadd_ps(gz, f2, g2[zi]);
+        gd2[zi] = _mm512_fmadd_ps(gz, df2, gd2[zi]);
+      }
+    }
+    const __m512 c = load16(w.c, t), s = load16(w.sin_c, t);
+    const __m512 c_over_s = _mm512_div_ps(c, s);
+    __m512 s_val = _mm512_setzero_ps(), s_dc = _mm512_setzero_ps(), s_dm = _mm512_setzero_ps();
+    for (int zi = 0; zi < Z; ++zi) {
+      const __m512 cos_z = _mm512_set1_ps(k.cos_z[zi]), sin_z = _mm512_set1_ps(k.sin_z[zi]);
+      const __m512 cdev = _mm512_fmadd_ps(c, cos_z, _mm512_mul_ps(s, sin_z));
+      const __m512 base = _mm512_mul_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), cdev), half);
+      const __m512 p = simd::exp(_mm512_mul_ps(_mm512_set1_ps(k.zeta[zi] - 1.0f), simd::log(base)));
+      const __m512 f1 = _mm512_mul_ps(_mm512_mul_ps(two, p), base);
+      const __m512 df1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(k.zeta[zi]), p),
+                                       _mm512_fnmadd_ps(c_over_s, sin_z, cos_z));
+      s_val = _mm512_fmadd_ps(g2[zi], f1, s_val);
+      s_dc = _mm512_fmadd_ps(g2[zi], df1, s_dc);
+      s_dm = _mm512_fmadd_ps(gd2[zi], f1, s_dm);
+    }
+    const __m512 fc1 = load16(w.fc1, t), fc2 = load16(w.fc2, t);
+    const __m512 inv1 = load16(w.inv1, t), inv2 = load16(w.inv2, t);
+    const __m512 fcc = load16(w.fcc, t);
+    const __m512 d_cos = _mm512_mul_ps(_mm512_mul_ps(shrink, fcc), s_dc);
+    const __m512 d_m = _mm512_mul_ps(_mm512_mul_ps(half, fcc), s_dm);
+    const __m512 d_r1 = _mm512_fmadd_ps(_mm512_mul_ps(s_val, load16(w.dfc1, t)), fc2, d_m);
+    const __m512 d_r2 = _mm512_fmadd_ps(_mm512_mul_ps(s_val, fc1), load16(w.dfc2, t), d_m);
+    const __m512 c1 = _mm512_mul_ps(d_r1, inv1), c2 = _mm512_mul_ps(d_r2, inv2);
+    const __m512 dq = _mm512_mul_ps(d_cos, load16(w.q, t));
+    const __mmask16 clamped = _mm512_movepi32_mask(_mm512_castps_si512(load16(w.clamped, t)));
+    _mm512_storeu_ps(w.c12.data() + t, _mm512_mask_blend_ps(clamped, _mm512_mul_ps(_mm512_mul_ps(d_cos, inv1), inv2),
+                                                            _mm512_mul_ps(d_cos, big)));
+    _mm512_storeu_ps(w.c1.data() + t,
+                     _mm512_mask_blend_ps(clamped, _mm512_fnmadd_ps(_mm512_mul_ps(dq, inv1), inv1, c1), c1));
+    _mm512_storeu_ps(w.c2.data() + t,
+                     _mm512_mask_blend_ps(clamped, _mm512_fnmadd_ps(_mm512_mul_ps(dq, inv2), inv2, c2), c2));
+  }
+}
+
 // The angular terms of one centre: added to its AEV row (forward).
 template <int Z>
 TF_AVX2 void angular_forward(CentreScratch& w, const Consts<float>& k, const AngularConsts& ac,
-                             float* row) {
-  list_triples(w, k, false);
-  for (const auto& b : w.blocks)
-    block_forward<Z>(w, b, ac, k.A, row + k.radial_len + b.pair * k.A * Z);
+                             float* row, bool wide) {
+  list_triples(w, k, false, wide ? 16 : 8);
+  for (const auto& b : w.blocks) {
+    float* out = row + k.radial_len + b.pair * k.A * Z;
+    if (wide)
+      block_forward512<Z>(w, b, k, out);
+    else
+      block_forward<Z>(w, b, ac, k.A, out);
+  }
 }
 
 // The angular terms' gradient of one centre, added to its half edges: each
@@ -444,13 +578,17 @@ TF_AVX2 void angular_forward(CentreScratch& w, const Consts<float>& k, const Ang
 // neighbour's gradient is its row of the table times the neighbours' vectors.
 template <int Z>
 TF_AVX2 void angular_backward(CentreScratch& w, const Consts<float>& k, const AngularConsts& ac,
-                              const float* grow, float* grad_edge) {
-  list_triples(w, k, true);
+                              const float* grow, float* grad_edge, bool wide) {
+  list_triples(w, k, true, wide ? 16 : 8);
   const int64_t n = w.ang.n, n8 = (n + 7) / 8 * 8;
   w.pair.assign(n * n8, 0.0f);
   w.diag.assign(n, 0.0f);
   for (const auto& b : w.blocks) {
-    block_backward<Z>(w, b, ac, k.A, grow + k.radial_len + b.pair * k.A * Z);
+    const float* g = grow + k.radial_len + b.pair * k.A * Z;
+    if (wide)
+      block_backward512<Z>(w, b, k, g);
+    else
+      block_backward<Z>(w, b, ac, k.A, g);
     for (int64_t t = b.begin; t < b.begin + b.count; ++t) {
       const int64_t j = w.j[t], l = w.l[t];
       w.diag[j] += w.c1[t];
@@ -509,6 +647,49 @@ TF_AVX2 void radial_forward(const NeighborArrays& nb, const Consts<float>& k, fl
   }
 }
 
+// radial_forward with its exp on 16 lanes (AVX-512: two vectors of 8
+// neighbours at a time) and its sums on 8, in radial_forward's order: the
+// same bits.
+TF_AVX512 void radial_forward512(const NeighborArrays& nb, const Consts<float>& k, float* row) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 quarter = _mm512_set1_ps(0.25f);
+  for (int64_t s = 0; s < k.S; ++s) {
+    const int64_t b = nb.seg[s], e = nb.seg[s + 1];
+    if (b == e) continue;
+    for (int64_t q = 0; q < k.R; q += 8) {
+      __m256 acc[8];
+      for (auto& x : acc) x = _mm256_setzero_ps();
+      for (int64_t v = b; v < e; v += 16) {
+        const __m512 r = _mm512_loadu_ps(nb.r.data() + v);
+        // lanes past the species' last neighbour add nothing
+        const __mmask16 in = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(e - v)), lane);
+        const __m512 scale = _mm512_maskz_mul_ps(in, quarter, _mm512_loadu_ps(nb.fc.data() + v));
+        const __m256 scale_lo = _mm512_castps512_ps256(scale), scale_hi = _mm512_extractf32x8_ps(scale, 1);
+        const bool hi = v + 8 < e;
+        for (int i = 0; i < 8; ++i) {
+          const __m512 x = _mm512_sub_ps(r, _mm512_set1_ps(k.shf_r[q + i]));
+          const __m512 t = simd::exp(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_r[q + i]), x), x));
+          acc[i] = _mm256_fmadd_ps(_mm512_castps512_ps256(t), scale_lo, acc[i]);
+          if (hi) acc[i] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(t, 1), scale_hi, acc[i]);
+        }
+      }
+      float* out = row + s * k.R + q;
+      _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), sums8(acc)));
+    }
+  }
+}
+
+// Each neighbour's radial coefficient times its vector, added to its half edge.
+inline void add_radial_edges(const NeighborArrays& nb, const std::vector<float>& coef,
+                             float* grad_edge) {
+  for (int64_t e = 0; e < nb.n; ++e) {
+    float* ge = grad_edge + 3 * nb.edge[e];
+    ge[0] += coef[e] * nb.x[e];
+    ge[1] += coef[e] * nb.y[e];
+    ge[2] += coef[e] * nb.z[e];
+  }
+}
+
 // The radial terms' gradient of one centre, added to its half edges: per
 // neighbour (8 per vector) d/dr of its terms against the species' gradient,
 // over r, times its vector (0 at r = 0, where the direction is undefined).
@@ -518,7 +699,7 @@ TF_AVX2 void radial_forward(const NeighborArrays& nb, const Consts<float>& k, fl
 // broadcast from a register takes the shuffle port).
 TF_AVX2 void radial_backward(const NeighborArrays& nb, const Consts<float>& k, const float* grow,
                              std::vector<float>& coef, float* grad_edge) {
-  coef.resize(nb.n + 8);
+  coef.resize(nb.n + NeighborArrays::kPad);
   const __m256 quarter = _mm256_set1_ps(0.25f), half = _mm256_set1_ps(0.5f);
   const __m256 zero = _mm256_setzero_ps();
   for (int64_t s = 0; s < k.S; ++s) {
@@ -540,17 +721,41 @@ TF_AVX2 void radial_backward(const NeighborArrays& nb, const Consts<float>& k, c
       _mm256_storeu_ps(coef.data() + v, _mm256_mul_ps(d, _mm256_loadu_ps(nb.inv_r.data() + v)));
     }
   }
-  for (int64_t e = 0; e < nb.n; ++e) {
-    float* ge = grad_edge + 3 * nb.edge[e];
-    ge[0] += coef[e] * nb.x[e];
-    ge[1] += coef[e] * nb.y[e];
-    ge[2] += coef[e] * nb.z[e];
-  }
+  add_radial_edges(nb, coef, grad_edge);
 }
 
+// radial_backward on 16 lanes (AVX-512: 16 neighbours per vector), the same
+// operations lane by lane, so the same bits.
+TF_AVX512 void radial_backward512(const NeighborArrays& nb, const Consts<float>& k, const float* grow,
+                                  std::vector<float>& coef, float* grad_edge) {
+  coef.resize(nb.n + NeighborArrays::kPad);
+  const __m512 quarter = _mm512_set1_ps(0.25f), half = _mm512_set1_ps(0.5f);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t s = 0; s < k.S; ++s) {
+    const float* g = grow + s * k.R;
+    for (int64_t v = nb.seg[s]; v < nb.seg[s + 1]; v += 16) {
+      const __m512 r = _mm512_loadu_ps(nb.r.data() + v);
+      __m512 sum_e = zero, sum_et = zero;
+      for (int64_t q = 0; q < k.R; ++q) {
+        const __m512 x = _mm512_sub_ps(r, _mm512_set1_ps(k.shf_r[q]));
+        const __m512 t = _mm512_mul_ps(_mm512_set1_ps(k.eta_r[q]), x);
+        const __m512 ge = _mm512_mul_ps(_mm512_set1_ps(g[q]), simd::exp(_mm512_fnmadd_ps(t, x, zero)));
+        sum_e = _mm512_add_ps(sum_e, ge);
+        sum_et = _mm512_fmadd_ps(ge, t, sum_et);
+      }
+      const __m512 fc = _mm512_loadu_ps(nb.fc.data() + v), dfc = _mm512_loadu_ps(nb.dfc.data() + v);
+      const __m512 d = _mm512_fmsub_ps(_mm512_mul_ps(quarter, dfc), sum_e,
+                                       _mm512_mul_ps(_mm512_mul_ps(half, fc), sum_et));
+      _mm512_storeu_ps(coef.data() + v, _mm512_mul_ps(d, _mm512_loadu_ps(nb.inv_r.data() + v)));
+    }
+  }
+  add_radial_edges(nb, coef, grad_edge);
+}
+
+// wide: the exp and log on 16 lanes (AVX-512), the same bits.
 TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                 const float* diff, const HalfEdges& h, const Consts<float>& k,
-                                float* aev) {
+                                float* aev, bool wide) {
   CentreScratch w;
   const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
@@ -558,34 +763,42 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
     std::fill(row, row + k.F, 0.0f);  // (the output is allocated uninitialised)
     if (species[i] < 0) continue;
     sorted_neighbors(h, i, species, diff, k, false, w);
-    radial_forward(w.all, k, row);
+    if (wide)
+      radial_forward512(w.all, k, row);
+    else
+      radial_forward(w.all, k, row);
     switch (k.Z) {  // (no lambda here: it would not inherit this function's target)
-      case 1: angular_forward<1>(w, k, ac, row); break;
-      case 2: angular_forward<2>(w, k, ac, row); break;
-      case 4: angular_forward<4>(w, k, ac, row); break;
-      default: angular_forward<8>(w, k, ac, row); break;
+      case 1: angular_forward<1>(w, k, ac, row, wide); break;
+      case 2: angular_forward<2>(w, k, ac, row, wide); break;
+      case 4: angular_forward<4>(w, k, ac, row, wide); break;
+      default: angular_forward<8>(w, k, ac, row, wide); break;
     }
   }
 }
 
+// wide: the radial and angular terms on 16 lanes (AVX-512), the same bits.
 TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                  const float* diff, const HalfEdges& h, const Consts<float>& k,
-                                 const float* grad_aev, float* grad_edge) {
+                                 const float* grad_aev, float* grad_edge, bool wide) {
   CentreScratch w;
   const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
     if (species[i] < 0) continue;
     const float* grow = grad_aev + i * k.F;
     sorted_neighbors(h, i, species, diff, k, true, w);
-    radial_backward(w.all, k, grow, w.coef, grad_edge);
+    if (wide)
+      radial_backward512(w.all, k, grow, w.coef, grad_edge);
+    else
+      radial_backward(w.all, k, grow, w.coef, grad_edge);
     switch (k.Z) {
-      case 1: angular_backward<1>(w, k, ac, grow, grad_edge); break;
-      case 2: angular_backward<2>(w, k, ac, grow, grad_edge); break;
-      case 4: angular_backward<4>(w, k, ac, grow, grad_edge); break;
-      default: angular_backward<8>(w, k, ac, grow, grad_edge); break;
+      case 1: angular_backward<1>(w, k, ac, grow, grad_edge, wide); break;
+      case 2: angular_backward<2>(w, k, ac, grow, grad_edge, wide); break;
+      case 4: angular_backward<4>(w, k, ac, grow, grad_edge, wide); break;
+      default: angular_backward<8>(w, k, ac, grow, grad_edge, wide); break;
     }
   }
 }
+#pragma GCC diagnostic pop
 #endif
 
 template <typename scalar_t>
@@ -594,9 +807,10 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
 #ifdef TF_SIMD_AVX2
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (vector_path(k)) {
+      const bool wide = simd::have_avx512();
       at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
         const simd::FlushDenormals flush;
-        forward_atoms_avx2(begin, end, species, diff, h, k, aev);
+        forward_atoms_avx2(begin, end, species, diff, h, k, aev, wide);
       });
       return;
     }
@@ -658,10 +872,11 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
 #ifdef TF_SIMD_AVX2
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (vector_path(k)) {
+      const bool wide = simd::have_avx512();
       at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
         const simd::FlushDenormals flush;
         zero_edges(h, begin, end, grad_edge);
-        backward_atoms_avx2(begin, end, species, diff, h, k, grad_aev, grad_edge);
+        backward_atoms_avx2(begin, end, species, diff, h, k, grad_aev, grad_edge, wide);
       });
       return;
     }

@@ -1,8 +1,9 @@
 // The CPU kernels' instruction-set level (level(), have_avx2(), have_avx512():
 // what the CPU has, capped by torchani_fast.cpu_isa()), and float32 exp and
 // log on 8 lanes (AVX2 + FMA) for their hot loops: the AEV's radial and
-// angular terms (aev_cpu.cpp) and CELU (celu01, on 8 or 16 lanes: the
-// networks' products in small_gemm.h, and ensemble_cpu.cpp). glibc's scalar
+// angular terms (aev_cpu.cpp; its backward also on 16 lanes) and CELU
+// (celu01, on 8 or 16 lanes: the networks' products in small_gemm.h, and
+// ensemble_cpu.cpp). glibc's scalar
 // expf/powf cost 5-20 ns a value; these about 1 ns.
 //
 // Accuracy: exp within 2 ulp; log within 2 ulp of ln x for normal x; powers as
@@ -189,6 +190,12 @@ TF_AVX2_INLINE __m256 exp(__m256 u) {
   return _mm256_blendv_ps(_mm256_fmadd_ps(s, q, s), u, _mm256_cmp_ps(u, u, _CMP_UNORD_Q));
 }
 
+TF_AVX512_INLINE __m512 exp(__m512 u) {
+  __m512 s, q;
+  exp_parts(u, s, q);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q), _mm512_fmadd_ps(s, q, s), u);
+}
+
 // ln x for x > 0 (x = m 2^e, m in [sqrt(1/2), sqrt(2)), atanh series of m).
 // x = 0 gives -88 (so exp(y log x) is 0 for y >= 1), not -inf.
 TF_AVX2_INLINE __m256 log(__m256 x) {
@@ -211,6 +218,30 @@ TF_AVX2_INLINE __m256 log(__m256 x) {
   const __m256 ef = _mm256_cvtepi32_ps(e);
   return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693145751953125f),
                          _mm256_fmadd_ps(ef, _mm256_set1_ps(1.42860676533018672e-6f), ln_m));
+}
+
+// log on 16 lanes: the same operations lane by lane, so the same bits.
+TF_AVX512_INLINE __m512 log(__m512 x) {
+  const __mmask16 all = 0xFFFF;
+  const __m512i xi = _mm512_castps_si512(x);
+  __m512i e = _mm512_sub_epi32(_mm512_maskz_srli_epi32(all, xi, 23), _mm512_set1_epi32(127));
+  __m512 m = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_and_si512(xi, _mm512_set1_epi32(0x007fffff)), _mm512_set1_epi32(0x3f800000)));
+  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+  e = _mm512_mask_add_epi32(e, big, e, _mm512_set1_epi32(1));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(m, one), _mm512_add_ps(m, one));
+  const __m512 t2 = _mm512_mul_ps(t, t);
+  __m512 p = _mm512_fmadd_ps(t2, _mm512_set1_ps(1.0f / 11), _mm512_set1_ps(1.0f / 9));
+  p = _mm512_fmadd_ps(t2, p, _mm512_set1_ps(1.0f / 7));
+  p = _mm512_fmadd_ps(t2, p, _mm512_set1_ps(1.0f / 5));
+  p = _mm512_fmadd_ps(t2, p, _mm512_set1_ps(1.0f / 3));
+  const __m512 twice_t = _mm512_add_ps(t, t);
+  const __m512 ln_m = _mm512_fmadd_ps(_mm512_mul_ps(twice_t, t2), p, twice_t);
+  const __m512 ef = _mm512_maskz_cvtepi32_ps(all, e);
+  return _mm512_fmadd_ps(ef, _mm512_set1_ps(0.693145751953125f),
+                         _mm512_fmadd_ps(ef, _mm512_set1_ps(1.42860676533018672e-6f), ln_m));
 }
 
 // sin(v) for |v| <= pi / 2: Taylor series to v^13 (truncation below 1e-9).

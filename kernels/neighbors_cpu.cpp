@@ -32,7 +32,7 @@ struct MoleculeBins {
   std::array<Axis, 3> axis;
   std::vector<int64_t> bin_start;  // (nbins + 1,)
   std::vector<int64_t> bin_atoms;  // flattened atom indices sorted by bin
-  std::vector<double> x, y, z;     // their wrapped coordinates, in that order (+ 4 padding)
+  std::vector<double> x, y, z;     // their wrapped coordinates, in that order (+ 8 padding)
 };
 
 // One candidate bin of atom i: bin positions [q0, q1), seen through the
@@ -72,6 +72,22 @@ int64_t scan_bin(const BinScan& s, const MoleculeBins& mol, const int64_t* shift
 }
 
 #ifdef TF_SIMD_AVX2
+// The pairs of the candidates q + lane within the cutoff (the set bits of
+// `bits`) that atom i owns, recorded in lane order; returns how many.
+inline int64_t record_lanes(const BinScan& s, const MoleculeBins& mol, int64_t q, int bits,
+                            const int64_t* shift, std::vector<int64_t>& found) {
+  int64_t n = 0;
+  while (bits) {
+    const int lane = __builtin_ctz(bits);
+    bits &= bits - 1;
+    const int64_t j = mol.bin_atoms[q + lane];
+    if (!neighbors::owns_pair(s.i, j, s.img)) continue;
+    record_pair(s, j, shift, found);
+    ++n;
+  }
+  return n;
+}
+
 // scan_bin on 4 candidates per vector. The same pairs in the same order, except
 // that r^2 may round differently (fused multiply-add), which can only move a pair
 // at the cutoff itself, where every term is zero.
@@ -89,14 +105,28 @@ TF_AVX2 int64_t scan_bin_avx2(const BinScan& s, const MoleculeBins& mol, const i
                                      _mm256_mul_pd(v2, v2));
     int bits = _mm256_movemask_pd(_mm256_cmp_pd(r2, cut, _CMP_LE_OQ));
     bits &= (1 << std::min<int64_t>(4, s.q1 - q)) - 1;  // lanes past the bin's end
-    while (bits) {
-      const int lane = __builtin_ctz(bits);
-      bits &= bits - 1;
-      const int64_t j = mol.bin_atoms[q + lane];
-      if (!neighbors::owns_pair(s.i, j, s.img)) continue;
-      record_pair(s, j, shift, found);
-      ++n;
-    }
+    n += record_lanes(s, mol, q, bits, shift, found);
+  }
+  return n;
+}
+
+// scan_bin_avx2 on 8 candidates per vector (AVX-512): the same operations lane
+// by lane, so the same pairs in the same order.
+TF_AVX512 int64_t scan_bin_avx512(const BinScan& s, const MoleculeBins& mol, const int64_t* shift,
+                                  std::vector<int64_t>& found) {
+  const __m512d wx = _mm512_set1_pd(s.w[0]), wy = _mm512_set1_pd(s.w[1]), wz = _mm512_set1_pd(s.w[2]);
+  const __m512d tx = _mm512_set1_pd(s.t[0]), ty = _mm512_set1_pd(s.t[1]), tz = _mm512_set1_pd(s.t[2]);
+  const __m512d cut = _mm512_set1_pd(s.cutoff_sq);
+  int64_t n = 0;
+  for (int64_t q = s.q0; q < s.q1; q += 8) {
+    const __m512d v0 = _mm512_sub_pd(_mm512_sub_pd(wx, _mm512_loadu_pd(mol.x.data() + q)), tx);
+    const __m512d v1 = _mm512_sub_pd(_mm512_sub_pd(wy, _mm512_loadu_pd(mol.y.data() + q)), ty);
+    const __m512d v2 = _mm512_sub_pd(_mm512_sub_pd(wz, _mm512_loadu_pd(mol.z.data() + q)), tz);
+    const __m512d r2 = _mm512_add_pd(_mm512_add_pd(_mm512_mul_pd(v0, v0), _mm512_mul_pd(v1, v1)),
+                                     _mm512_mul_pd(v2, v2));
+    int bits = static_cast<int>(_mm512_cmp_pd_mask(r2, cut, _CMP_LE_OQ));
+    bits &= (1 << std::min<int64_t>(8, s.q1 - q)) - 1;  // lanes past the bin's end
+    n += record_lanes(s, mol, q, bits, shift, found);
   }
   return n;
 }
@@ -189,7 +219,7 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
       std::vector<int64_t> cursor(mol.bin_start.begin(), mol.bin_start.end() - 1);
       for (int64_t i = m * A; i < (m + 1) * A; ++i)
         if (species[i] >= 0) mol.bin_atoms[cursor[bin_of[i]]++] = i;
-      for (auto* v : {&mol.x, &mol.y, &mol.z}) v->assign(count + 4, 0.0);
+      for (auto* v : {&mol.x, &mol.y, &mol.z}) v->assign(count + 8, 0.0);
       for (int64_t q = 0; q < count; ++q) {
         const double* w = &wrapped[3 * mol.bin_atoms[q]];
         mol.x[q] = w[0];
@@ -210,7 +240,7 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
   const double cutoff_sq = cutoff * cutoff;
   auto scan_fn = scan_bin;
 #ifdef TF_SIMD_AVX2
-  if (simd::have_avx2()) scan_fn = scan_bin_avx2;
+  if (simd::have_avx2()) scan_fn = simd::have_avx512() ? scan_bin_avx512 : scan_bin_avx2;
 #endif
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     for (int64_t i = chunk_begin * kChunk; i < std::min(N, chunk_end * kChunk); ++i) {

@@ -8,7 +8,8 @@ AVX2 and AVX-512 sums every product in the same order, so they must agree to
 the bit; the AVX-512 input gradient of blocks of up to 8 rows is summed in
 another order (dot products with W's rows), so it agrees to float rounding.
 The float32 AEV computes its exp and log on 16 lanes with AVX-512 and sums in
-the AVX2 order: the AEV and its gradient are the same bits at both levels.
+the AVX2 order, and the neighbour search tests 8 candidates per vector
+instead of 4: pairs, AEV and its gradient are the same bits at both levels.
 """
 import os
 import subprocess
@@ -131,8 +132,9 @@ def test_model_at_every_level(levels, dtype):
         assert_forces(results["avx512"][1], results["avx2"][1], dtype)
 
 
-@pytest.mark.parametrize("name,molecule", [("ANI2x", "small.xyz"), ("ANI2x", "1hz5.xyz"), ("ANI1x", "small.xyz")])
-def test_aev_same_bits_at_avx2_and_avx512(levels, name, molecule):
+@pytest.mark.parametrize("name,molecule", [("ANI2x", "small.xyz"), ("ANI2x", "1hz5.xyz"), ("ANI1x", "small.xyz"),
+                                           ("ANI2x", "benzene.xyz")])
+def test_neighbors_and_aev_same_bits_at_avx2_and_avx512(levels, name, molecule):
     # ANI-2x: 4 sections and 8 angular shifts, 7 elements (1hz5 has S); ANI-1x: 8 and 4.
     if "avx512" not in levels:
         pytest.skip("this CPU has no AVX-512")
@@ -140,11 +142,14 @@ def test_aev_same_bits_at_avx2_and_avx512(levels, name, molecule):
     from test_aev import aev_args
 
     aevc = reference_model(name, torch.float32).potentials["nnp"].aev_computer
-    species, coords, _, _ = atoms_to_tensors(read_molecule(molecule), torch.float32)
+    species, coords, cell, pbc = atoms_to_tensors(read_molecule(molecule), torch.float32)  # benzene: periodic
     elem = reference_model(name, torch.float32).species_converter(species)
-    pairs, _ = ops.neighbor_pairs(elem, coords, None, None, float(aevc.radial.cutoff), False)
-    flat = coords.view(-1, 3)
-    diff = flat[pairs[0]] - flat[pairs[1]]
+    cutoff = float(aevc.radial.cutoff)
+    found = {level: run_at(level, ops.neighbor_pairs, elem, coords, cell, pbc, cutoff, False)
+             for level in ("avx2", "avx512")}
+    assert all(torch.equal(a, b) for a, b in zip(found["avx2"], found["avx512"]))
+    pairs, images = found["avx2"]
+    diff, _ = ops.pair_vectors(coords.view(-1, 3), pairs, None if cell is None else images, cell)
     args = aev_args(aevc, torch.float32)
     length = ops.aev(elem, pairs, diff, *args).shape[-1]
     weights = torch.sin(torch.arange(elem.numel() * length, dtype=torch.float32)).view(1, -1, length)

@@ -88,6 +88,10 @@ inline void add_triple_grad(const Neighbor<scalar_t>& n1, const Neighbor<scalar_
 // The forward then keeps one accumulator vector per term of the block, and the
 // backward reads the block's gradient as broadcasts. Per atom, the work and its
 // order are fixed by the input, so results do not depend on the thread count.
+// With AVX-512 the exp and log run on 16 lanes (two vectors of 8 triples or
+// neighbours; blocks padded to 16), each lane doing the 8-lane code's
+// operations, and the forward's sums stay on 8 lanes in the same order: the
+// same bits as AVX2 (*512 functions, chosen per call with simd::have_avx512()).
 bool vector_path(const Consts<float>& k) {
   return simd::have_avx2() && k.R % 8 == 0 && k.A <= 8 &&
          (k.Z == 1 || k.Z == 2 || k.Z == 4 || k.Z == 8);
@@ -95,9 +99,9 @@ bool vector_path(const Consts<float>& k) {
 
 // The neighbours of one centre, sorted by species (stably), as structures of
 // arrays with 16 entries of padding after the last (read by partly used
-// vectors of 8 or 16 lanes, whose extra lanes are masked or overwritten): all of them (radial
-// terms), and again those within the angular cutoff, each with its cutoff
-// (and for the backward its derivative, and 1 / r, 0 at r = 0).
+// vectors of 8 or 16 lanes, whose extra lanes are masked or overwritten): all
+// of them (radial terms), and again those within the angular cutoff, each
+// with its cutoff (and for the backward its derivative, and 1 / r, 0 at r = 0).
 struct NeighborArrays {
   std::vector<float> x, y, z, r, fc, dfc, inv_r;
   std::vector<int64_t> edge;  // the half edge of each (and 16 entries of scratch)
@@ -144,8 +148,8 @@ struct NeighborArrays {
 struct CentreScratch {
   NeighborArrays all, ang;
   std::vector<int64_t> cursor;
-  // Triples, block after block, each block padded to a multiple of 8 (16 for
-  // the 16-lane backward).
+  // Triples, block after block, each block padded to a multiple of 8 (16 on
+  // the 16-lane path).
   // Forward and backward: c = 0.95 cos, sqrt(1 - c^2), the mean distance and
   // fc1 fc2. Backward also: cos (unclamped), whether the product r1 r2 was
   // clamped (a lane mask), the two neighbours' cutoffs, cutoff derivatives and
@@ -219,7 +223,7 @@ TF_AVX2_INLINE void store_at(std::vector<float>& v, int64_t t, __m256 x) {
 }
 
 // The triples of every species pair present, block after block, each block
-// padded to a multiple of `pad` (8, or 16 for the 16-lane backward); lanes
+// padded to a multiple of `pad` (8, or 16 for the 16-lane path); lanes
 // run over the second neighbour l for a fixed first neighbour j. The geometry
 // is make_triple's, lane for lane.
 TF_AVX2 void list_triples(CentreScratch& w, const Consts<float>& k, bool backward, int64_t pad) {

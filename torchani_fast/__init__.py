@@ -29,7 +29,8 @@ _ISA_LEVELS = ("none", "avx2", "avx512")
 
 def cpu_isa(cap: "str | None" = None) -> str:
     """The instruction set the CPU kernels use: ``"avx512"`` (the networks'
-    matrix products; the rest as avx2), ``"avx2"`` (AVX2 + FMA) or ``"none"``
+    matrix products, the AEV's exp and log, the neighbour search; the rest as
+    avx2), ``"avx2"`` (AVX2 + FMA) or ``"none"``
     (portable C++), the best this CPU has unless capped.
 
     ``cpu_isa("avx2")`` caps it from now on (``"avx512"`` lifts the cap), for

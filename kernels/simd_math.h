@@ -1,10 +1,9 @@
 // The CPU kernels' instruction-set level (level(), have_avx2(), have_avx512():
 // what the CPU has, capped by torchani_fast.cpu_isa()), and float32 exp and
-// log on 8 lanes (AVX2 + FMA) for their hot loops: the AEV's radial and
-// angular terms (aev_cpu.cpp; its backward also on 16 lanes) and CELU
-// (celu01, on 8 or 16 lanes: the networks' products in small_gemm.h, and
-// ensemble_cpu.cpp). glibc's scalar
-// expf/powf cost 5-20 ns a value; these about 1 ns.
+// log on 8 lanes (AVX2 + FMA) or 16 (AVX-512) for their hot loops: the AEV's
+// radial and angular terms (aev_cpu.cpp) and CELU (celu01: the networks'
+// products in small_gemm.h, and ensemble_cpu.cpp). glibc's scalar expf/powf
+// cost 5-20 ns a value; these about 1 ns.
 //
 // Accuracy: exp within 2 ulp; log within 2 ulp of ln x for normal x; powers as
 // exp(y log x) carry |y| times log's absolute error (about 1e-6 relative at
@@ -31,7 +30,8 @@
 namespace torchani_fast::simd {
 
 // Instruction sets of the CPU kernels, in order: 0 none (portable C++),
-// 1 AVX2 + FMA, 2 AVX-512 (F, VL, DQ, BW) for the networks' products.
+// 1 AVX2 + FMA, 2 AVX-512 (F, VL, DQ, BW) for the networks' products, the
+// AEV's exp and log and the neighbour search.
 constexpr int kScalar = 0, kAvx2 = 1, kAvx512 = 2;
 
 // What this CPU (and its OS) supports.

@@ -344,11 +344,12 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact) {
   const int64_t groups = static_cast<int64_t>(sizes.size());
   const int64_t features = aev.size(1);
-  // Panels are used when given, for float32, on CPUs that run panel_gemm.
+  // Panels are used when given, for float32, on CPUs that run panel_gemm;
+  // their count is checked whenever they are given (also where they go unused).
   const bool use_panels = !panels.empty() && std::is_same_v<T, float> &&
                           small_gemm::panels_supported();
   int64_t panel = 0;
-  if (use_panels) {
+  if (!panels.empty()) {
     int64_t expected = 0;
     for (int64_t nl : layers) expected += 2 * (nl - 1);
     TORCH_CHECK(static_cast<int64_t>(panels.size()) == expected, "ensemble_mlp: panels holds ",

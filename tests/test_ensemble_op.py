@@ -6,7 +6,7 @@ takes J = d(sum over members)/d(input) by autograd: nothing of nn.py is used.
 import pytest
 import torch
 
-import torchani_fast  # noqa: F401  (loads the op)
+import torchani_fast  # (also loads the op)
 
 op = torch.ops.torchani_fast.ensemble_mlp
 
@@ -342,6 +342,9 @@ def test_zero_chunks(sizes):
     # them. The values are those of the reference (and do not depend on the
     # flag). J is the reference's unless zero_blocks_exact: then it is 0 in the
     # chunks skipped, and still the reference's wherever the row's chunk is not 0.
+    # (Only the panel kernels skip chunks: the portable path, cpu_isa "none",
+    # computes them, which the flag allows.)
+    skips = torchani_fast.cpu_isa() != "none"
     members = 3
     aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(
         torch.float32, members, [32, 16, 16], [48, 32, 64], sizes)
@@ -369,6 +372,8 @@ def test_zero_chunks(sizes):
         k = cols.shape[0]
         j1_g, jr_g = j1[off: off + len(atoms_g) * k].view(-1, k), j_ref[off: off + len(atoms_g) * k].view(-1, k)
         off += len(atoms_g) * k
-        assert (j1_g[:, 16 * c: 16 * c + 16] == 0).all() and (jr_g[:, 16 * c: 16 * c + 16] != 0).any()
+        assert (jr_g[:, 16 * c: 16 * c + 16] != 0).any()
+        if skips:
+            assert (j1_g[:, 16 * c: 16 * c + 16] == 0).all()
         nonzero = (aev[atoms_g][:, cols].view(len(atoms_g), -1, 16) != 0).any(2).repeat_interleave(16, 1)
         torch.testing.assert_close(j1_g[nonzero], jr_g[nonzero], **tol)

@@ -153,13 +153,13 @@ def energy_forces(model, species, coords, cell, pbc):
 # -- measurements ------------------------------------------------------------------------------
 
 def sgemm_peak(n=2048, tries=20):
-    """Best float32 GEMM rate (GFLOP/s) of the two SGEMMs inside torch, and each one's rate.
+    """Float32 GEMM rate (GFLOP/s) of each SGEMM inside torch; the roofline is the best.
 
     torch.mm calls MKL, which on AMD CPUs runs its AVX2 code even where AVX-512 is
-    there (Zen 5: 215-222 GFLOP/s on 2 cores, against 478-492 for oneDNN's SGEMM
+    there (Zen 5, 2 cores: 200-233 GFLOP/s, against 457-521 for oneDNN's SGEMM
     and 533 for a register-only FMA loop). oneDNN picks its kernels from the CPU's
-    features. The roofline is the better of the two, so that no machine's peak is
-    set by a vendor check.
+    features. Taking the better of the two, no machine's peak is set by a vendor
+    check.
     """
     a, b = torch.randn(n, n), torch.randn(n, n)
     gemms = {"torch.mm (MKL)": lambda: a @ b}
@@ -174,7 +174,7 @@ def sgemm_peak(n=2048, tries=20):
             rates[name] = 2 * n ** 3 / min(_timed(fn) for _ in range(tries)) / 1e9
         except RuntimeError as err:  # a torch without oneDNN's linear: MKL alone
             print(f"{name}: {err}", file=sys.stderr)
-    return max(rates.values()), rates
+    return rates
 
 
 def _timed(fn):
@@ -455,8 +455,8 @@ def main():
         return rss_child(args.rss_child, systems)
     rounds, budget = (5, 10.0) if args.quick else (args.rounds, args.budget)
     load_before = os.getloadavg()[0]
-    peak, peaks = sgemm_peak()
-    print(f"SGEMM peak {peak:.1f} GFLOP/s {peaks}", flush=True)
+    peaks = sgemm_peak()
+    print(f"SGEMM peaks (GFLOP/s): {peaks}", flush=True)
     rows, errors = time_all(systems, args.impls, rounds, budget)
     rss = {} if (args.no_rss or args.quick) else measure_rss(args.impls, systems, args.threads, args.quick)
     profile_text = profile_table(SYSTEMS[4]) if args.profile else ""

@@ -334,6 +334,19 @@ TF_AVX2_INLINE __m256 radial_factor(const AngularConsts& ac, int64_t a, __m256 m
   return simd::exp(_mm256_mul_ps(_mm256_mul_ps(ac.neg_eta[a], x), x));
 }
 
+// section_base and radial_factor on 16 lanes (the constants broadcast from k):
+// the same operations, so the same bits.
+TF_AVX512_INLINE __m512 section_base(const Consts<float>& k, int s, __m512 c, __m512 sin_c) {
+  const __m512 cdev = _mm512_fmadd_ps(c, _mm512_set1_ps(k.cos_z[s]),
+                                      _mm512_mul_ps(sin_c, _mm512_set1_ps(k.sin_z[s])));
+  return _mm512_mul_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), cdev), _mm512_set1_ps(0.5f));
+}
+
+TF_AVX512_INLINE __m512 radial_factor(const Consts<float>& k, int64_t a, __m512 m, __m512& x) {
+  x = _mm512_sub_ps(m, _mm512_set1_ps(k.shf_a[a]));
+  return simd::exp(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_a[a]), x), x));
+}
+
 // The 8 horizontal sums of v[0..8), in order.
 TF_AVX2_INLINE __m256 sums8(const __m256* v) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -407,14 +420,12 @@ TF_AVX512 void block_forward512(CentreScratch& w, const CentreScratch::Block& b,
   const int64_t A = k.A, vectors = (b.count + 7) / 8;
   if (w.f1.size() < static_cast<size_t>((vectors + 1) * Z * 8)) w.f1.resize((vectors + 1) * Z * 8);
   float* f1 = w.f1.data();
-  const __m512 half = _mm512_set1_ps(0.5f);
   for (int64_t v = 0; v < vectors; v += 2) {
     const int64_t t = b.begin + 8 * v;
     const __m512 c = load16(w.c, t), s = load16(w.sin_c, t);
     const __m512 fcc2 = _mm512_mul_ps(_mm512_set1_ps(2.0f), load16(w.fcc, t));
     for (int zi = 0; zi < Z; ++zi) {
-      const __m512 cdev = _mm512_fmadd_ps(c, _mm512_set1_ps(k.cos_z[zi]), _mm512_mul_ps(s, _mm512_set1_ps(k.sin_z[zi])));
-      const __m512 base = _mm512_mul_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), cdev), half);
+      const __m512 base = section_base(k, zi, c, s);
       const __m512 f = _mm512_mul_ps(fcc2, simd::exp(_mm512_mul_ps(_mm512_set1_ps(k.zeta[zi]), simd::log(base))));
       _mm256_storeu_ps(f1 + (v * Z + zi) * 8, _mm512_castps512_ps256(f));
       _mm256_storeu_ps(f1 + ((v + 1) * Z + zi) * 8, _mm512_extractf32x8_ps(f, 1));
@@ -427,12 +438,8 @@ TF_AVX512 void block_forward512(CentreScratch& w, const CentreScratch::Block& b,
       const __m512 m = load16(w.mean_r, b.begin + 8 * v);
       __m512 f2[kShifts];
       for (int i = 0; i < kShifts; ++i) {
-        if (a0 + i < A) {
-          const __m512 x = _mm512_sub_ps(m, _mm512_set1_ps(k.shf_a[a0 + i]));
-          f2[i] = simd::exp(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_a[a0 + i]), x), x));
-        } else {
-          f2[i] = _mm512_setzero_ps();
-        }
+        __m512 x;
+        f2[i] = a0 + i < A ? radial_factor(k, a0 + i, m, x) : _mm512_setzero_ps();
       }
       for (int64_t h = 0; h < 2 && v + h < vectors; ++h) {
         for (int zi = 0; zi < Z; ++zi) {
@@ -447,7 +454,6 @@ TF_AVX512 void block_forward512(CentreScratch& w, const CentreScratch::Block& b,
     add_sums(acc, std::min<int64_t>(8, (A - a0) * Z), out + a0 * Z);
   }
 }
-
 
 // One block's triples: their gradient coefficients from the block's AEV
 // gradient g (A x Z). With s_val = sum g f, s_dc = sum g df/dc and s_dm = sum
@@ -519,9 +525,9 @@ TF_AVX512 void block_backward512(CentreScratch& w, const CentreScratch::Block& b
     __m512 g2[Z], gd2[Z];
     for (int zi = 0; zi < Z; ++zi) g2[zi] = gd2[zi] = _mm512_setzero_ps();
     for (int64_t a = 0; a < A; ++a) {
+      __m512 x;
+      const __m512 f2 = radial_factor(k, a, m, x);
       const __m512 neg_eta = _mm512_set1_ps(-k.eta_a[a]);
-      const __m512 x = _mm512_sub_ps(m, _mm512_set1_ps(k.shf_a[a]));
-      const __m512 f2 = simd::exp(_mm512_mul_ps(_mm512_mul_ps(neg_eta, x), x));
       const __m512 df2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(neg_eta, neg_eta), x), f2);
       for (int zi = 0; zi < Z; ++zi) {
         const __m512 gz = _mm512_set1_ps(g[a * Z + zi]);
@@ -534,8 +540,7 @@ TF_AVX512 void block_backward512(CentreScratch& w, const CentreScratch::Block& b
     __m512 s_val = _mm512_setzero_ps(), s_dc = _mm512_setzero_ps(), s_dm = _mm512_setzero_ps();
     for (int zi = 0; zi < Z; ++zi) {
       const __m512 cos_z = _mm512_set1_ps(k.cos_z[zi]), sin_z = _mm512_set1_ps(k.sin_z[zi]);
-      const __m512 cdev = _mm512_fmadd_ps(c, cos_z, _mm512_mul_ps(s, sin_z));
-      const __m512 base = _mm512_mul_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), cdev), half);
+      const __m512 base = section_base(k, zi, c, s);
       const __m512 p = simd::exp(_mm512_mul_ps(_mm512_set1_ps(k.zeta[zi] - 1.0f), simd::log(base)));
       const __m512 f1 = _mm512_mul_ps(_mm512_mul_ps(two, p), base);
       const __m512 df1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(k.zeta[zi]), p),

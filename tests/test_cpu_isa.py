@@ -141,9 +141,10 @@ def test_neighbors_and_aev_same_bits_at_avx2_and_avx512(levels, name, molecule):
     from torchani_fast import ops
     from test_aev import aev_args
 
-    aevc = reference_model(name, torch.float32).potentials["nnp"].aev_computer
+    ref = reference_model(name, torch.float32)
+    aevc = ref.potentials["nnp"].aev_computer
     species, coords, cell, pbc = atoms_to_tensors(read_molecule(molecule), torch.float32)  # benzene: periodic
-    elem = reference_model(name, torch.float32).species_converter(species)
+    elem = ref.species_converter(species)
     cutoff = float(aevc.radial.cutoff)
     found = {level: run_at(level, ops.neighbor_pairs, elem, coords, cell, pbc, cutoff, False)
              for level in ("avx2", "avx512")}

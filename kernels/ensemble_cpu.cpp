@@ -207,16 +207,34 @@ const int64_t* every_chunk() {
 // Layer l of member m: out (rows, d_out) = h W_l + b_l, then, if deriv is
 // given, CELU in place with its derivative into deriv (the panel kernels apply
 // it to their accumulators before storing them). With the panels, `chunks`
-// (per row, or nullptr) are h's 16-column chunks that are not all zero.
+// (per row, or nullptr) are h's 16-column chunks that are not all zero, and
+// the product prefetches the first weights read after it (panel_gemm's
+// `next`): the next layer's first 64 columns, or after the last panel layer
+// those of the first layer of member next_m (if >= 0). Weights that come from
+// memory (as in the first call after another program's) then arrive while the
+// tiles run. One core, one member of 384-256-192-160 (forward and J), weights
+// from memory, us: 22 rows 96-98 -> 87-92, 60 rows 216-231 -> 206-218, 96 rows
+// 328-336 -> 318-322 (weights in cache: 77-80, 192-195, 300-314, unchanged).
 template <typename T>
 void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, const T* h, T* out,
-                   const uint64_t* chunks, T* deriv) {
+                   const uint64_t* chunks, T* deriv, int64_t next_m) {
   const int64_t din = net.dims[l], dout = net.dims[l + 1];
   const T* bias = net.bias[l] + m * dout;
   if constexpr (std::is_same_v<T, float>) {
-    if (l < static_cast<int64_t>(net.panel_fwd.size())) {
+    const int64_t panels = static_cast<int64_t>(net.panel_fwd.size());
+    if (l < panels) {
+      const float* next = nullptr;
+      int64_t next_floats = 0;
+      if (l + 1 < panels) {
+        next = net.panel_fwd[l + 1] + m * dout * net.dims[l + 2];
+        next_floats = std::min<int64_t>(64, net.dims[l + 2]) * dout;
+      } else if (next_m >= 0) {
+        next = net.panel_fwd[0] + next_m * net.dims[0] * net.dims[1];
+        next_floats = std::min<int64_t>(64, net.dims[1]) * net.dims[0];
+      }
       small_gemm::panel_gemm(rows, dout, din, h, din, net.panel_fwd[l] + m * din * dout, bias,
-                             false, nullptr, 0, out, dout, chunks, nullptr, deriv);
+                             false, nullptr, 0, out, dout, chunks, nullptr, deriv, next,
+                             next_floats);
       return;
     }
   }
@@ -303,7 +321,8 @@ void run_task(const GroupNet<T>& net, const Task& task, int64_t member_begin, in
   for (int64_t m = member_begin; m < member_end; ++m) {
     const T* h = x;
     for (int64_t l = 0; l < layers; ++l) {
-      layer_forward(net, l, m, rows, h, a[l], l == 0 ? chunks : nullptr, l < last ? d[l] : nullptr);
+      layer_forward(net, l, m, rows, h, a[l], l == 0 ? chunks : nullptr, l < last ? d[l] : nullptr,
+                    m + 1 < member_end ? m + 1 : -1);
       h = a[l];
     }
     T* out = values + m * num_atoms;

@@ -221,10 +221,12 @@ TF_AVX2 inline void panel_gemm_avx2(
 // 24 accumulators), so that each broadcast of A feeds 4 FMAs and each panel
 // line 6. Every product is summed over k in the same order as in the AVX2
 // kernel, so the two give the same bits.
-template <int R, int P>
+template <int R, int P, bool Stream>
 TF_AVX512_INLINE void panel_steps512(__m512 (&acc)[R][P], const float* a, int64_t lda,
-                                     const float* const (&w)[P], int64_t p0, int64_t p1) {
+                                     const float* const (&w)[P], int64_t p0, int64_t p1,
+                                     const char* stream) {
   for (int64_t p = p0; p < p1; ++p) {
+    if (Stream) _mm_prefetch(stream + 64 * p, _MM_HINT_T1);
     __m512 wv[P];
     for (int q = 0; q < P; ++q) {
       _mm_prefetch(reinterpret_cast<const char*>(w[q] + 16 * (p + 16)), _MM_HINT_T0);
@@ -242,7 +244,8 @@ TF_AVX512_INLINE void panel_steps512(__m512 (&acc)[R][P], const float* a, int64_
 template <int R, int P>
 TF_AVX512 void panel_tile512(const float* a, int64_t lda, const float* w, int64_t k,
                              uint64_t chunks, const float* bias, bool accumulate, const float* d,
-                             int64_t ldd, float* c, int64_t ldc, float* celu_d, const int64_t* cols) {
+                             int64_t ldd, float* c, int64_t ldc, float* celu_d, const int64_t* cols,
+                             const char* stream) {
   const float* wq[P];
   __m512 acc[R][P];
   for (int q = 0; q < P; ++q) {
@@ -254,7 +257,12 @@ TF_AVX512 void panel_tile512(const float* a, int64_t lda, const float* w, int64_
     }
   }
   ChunkRuns runs(chunks, k);
-  for (int64_t p0, p1; runs.next(p0, p1);) panel_steps512<R, P>(acc, a, lda, wq, p0, p1);
+  for (int64_t p0, p1; runs.next(p0, p1);) {
+    if (stream != nullptr)
+      panel_steps512<R, P, true>(acc, a, lda, wq, p0, p1, stream);
+    else
+      panel_steps512<R, P, false>(acc, a, lda, wq, p0, p1, nullptr);
+  }
   for (int r = 0; r < R; ++r) {
     for (int q = 0; q < P; ++q) {
       __m512 v = acc[r][q];
@@ -272,12 +280,13 @@ TF_AVX512 void panel_tile512(const float* a, int64_t lda, const float* w, int64_
 template <int R>
 TF_AVX512 void panel_tile512(int panels, const float* a, int64_t lda, const float* w, int64_t k,
                              uint64_t chunks, const float* bias, bool accumulate, const float* d,
-                             int64_t ldd, float* c, int64_t ldc, float* celu_d, const int64_t* cols) {
+                             int64_t ldd, float* c, int64_t ldc, float* celu_d, const int64_t* cols,
+                             const char* stream) {
   switch (panels) {
-    case 4: panel_tile512<R, 4>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols); break;
-    case 3: panel_tile512<R, 3>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols); break;
-    case 2: panel_tile512<R, 2>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols); break;
-    default: panel_tile512<R, 1>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols); break;
+    case 4: panel_tile512<R, 4>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream); break;
+    case 3: panel_tile512<R, 3>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream); break;
+    case 2: panel_tile512<R, 2>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream); break;
+    default: panel_tile512<R, 1>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream); break;
   }
 }
 
@@ -287,10 +296,22 @@ TF_AVX512 void panel_tile512(int panels, const float* a, int64_t lda, const floa
 TF_AVX512 inline void panel_gemm_avx512(
     int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
     const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
-    const uint64_t* a_chunks, const uint64_t* c_chunks, float* celu_d) {
+    const uint64_t* a_chunks, const uint64_t* c_chunks, float* celu_d,
+    const float* next = nullptr, int64_t next_floats = 0) {
   for (int64_t j0 = 0; j0 < n; j0 += 64) {
     const int64_t group_end = std::min<int64_t>(n, j0 + 64);
+    // The group's tiles prefetch into L2, one line per step of k, the next
+    // group's panels, or after the last group `next` (next_floats of them).
+    const char* stream = reinterpret_cast<const char*>(group_end < n ? w + group_end * k : next);
+    int64_t stream_left = group_end < n ? std::min<int64_t>(64, n - group_end) * k * 4
+                          : next != nullptr ? next_floats * 4 : 0;
     for (int64_t r = 0; r < m; r += 6) {
+      const char* tile_stream = nullptr;
+      if (stream_left > 0) {
+        tile_stream = stream;
+        stream += 64 * k;
+        stream_left -= 64 * k;
+      }
       const int64_t rows = std::min<int64_t>(6, m - r);
       float* cr = c + r * ldc;
       const uint64_t wanted = c_chunks != nullptr ? chunks_of(c_chunks + r, rows) : kAllChunks;
@@ -309,12 +330,12 @@ TF_AVX512 inline void panel_gemm_avx512(
       const float* dr = d ? d + r * ldd : nullptr;
       float* er = celu_d ? celu_d + r * ldc : nullptr;
       switch (rows) {
-        case 6: panel_tile512<6>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
-        case 5: panel_tile512<5>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
-        case 4: panel_tile512<4>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
-        case 3: panel_tile512<3>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
-        case 2: panel_tile512<2>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
-        default: panel_tile512<1>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols); break;
+        case 6: panel_tile512<6>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
+        case 5: panel_tile512<5>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
+        case 4: panel_tile512<4>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
+        case 3: panel_tile512<3>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
+        case 2: panel_tile512<2>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
+        default: panel_tile512<1>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
       }
     }
   }
@@ -609,12 +630,13 @@ inline bool panels_supported() {
 inline void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                        const float* w, const float* bias, bool accumulate, const float* d,
                        int64_t ldd, float* c, int64_t ldc, const uint64_t* a_chunks = nullptr,
-                       const uint64_t* c_chunks = nullptr, float* celu_d = nullptr) {
+                       const uint64_t* c_chunks = nullptr, float* celu_d = nullptr,
+                       const float* next = nullptr, int64_t next_floats = 0) {
   TORCH_CHECK(celu_d == nullptr || c_chunks == nullptr, "panel_gemm: celu_d with c_chunks");
 #ifdef TF_SIMD_AVX2
   if (simd::have_avx512()) {
     panel_gemm_avx512(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,
-                      celu_d);
+                      celu_d, next, next_floats);
     return;
   }
   panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks, celu_d);

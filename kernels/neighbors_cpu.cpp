@@ -15,6 +15,7 @@
 // respect to both coordinates and cell are exact.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <vector>
@@ -132,14 +133,18 @@ TF_AVX512 int64_t scan_bin_avx512(const BinScan& s, const MoleculeBins& mol, con
 }
 #endif
 
-constexpr int64_t kChunk = 256;  // atoms per output chunk
+// Atoms per output chunk: about two chunks per thread, 64-256 atoms each.
+inline int64_t chunk_atoms(int64_t N) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return std::clamp<int64_t>((N + 2 * threads - 1) / (2 * threads), 64, 256);
+}
 constexpr size_t kRecord = 4;    // j, image (3)
 
 template <typename scalar_t>
 void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, int64_t A,
                     const double* cell /* row-major 3x3 or nullptr */, const bool* pbc,
-                    double cutoff, bool cell_list, std::vector<std::vector<int64_t>>& found,
-                    std::vector<int64_t>& count) {
+                    double cutoff, bool cell_list, int64_t chunk,
+                    std::vector<std::vector<int64_t>>& found, std::vector<int64_t>& count) {
   // Cell and its inverse in double: x = f @ cell, f = x @ inv.
   double C[9] = {1, 0, 0, 0, 1, 0, 0, 0, 1}, inv[9] = {1, 0, 0, 0, 1, 0, 0, 0, 1};
   bool periodic[3] = {false, false, false};
@@ -229,12 +234,13 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
     }
   });
 
-  // Atoms are taken in fixed chunks, each collecting its pairs as (j, image) in
-  // atom order (count[i] of them for atom i); concatenating the chunks in order
-  // makes the output independent of the number of threads. Chunks, unlike
-  // per-atom lists, are few and large, so their memory goes back to the system
-  // once copied out instead of staying in the allocator's small-object heap.
-  const int64_t num_chunks = (N + kChunk - 1) / kChunk;
+  // Atoms are taken in chunks of `chunk`, each collecting its pairs as (j,
+  // image) in atom order (count[i] of them for atom i); concatenating the
+  // chunks in order gives the same output for any chunk size, so for any
+  // number of threads. Chunks, unlike per-atom lists, are few and large, so
+  // their memory goes back to the system once copied out instead of staying in
+  // the allocator's small-object heap.
+  const int64_t num_chunks = (N + chunk - 1) / chunk;
   found.assign(num_chunks, {});
   count.assign(N, 0);
   const double cutoff_sq = cutoff * cutoff;
@@ -243,12 +249,12 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
   if (simd::have_avx2()) scan_fn = simd::have_avx512() ? scan_bin_avx512 : scan_bin_avx2;
 #endif
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t i = chunk_begin * kChunk; i < std::min(N, chunk_end * kChunk); ++i) {
+    for (int64_t i = chunk_begin * chunk; i < std::min(N, chunk_end * chunk); ++i) {
       if (species[i] < 0) continue;
       const MoleculeBins& mol = mols[i / A];
       int64_t own[3];
       neighbors::split_bin(bin_of[i], mol.axis.data(), own);
-      auto& mine = found[i / kChunk];
+      auto& mine = found[i / chunk];
       for (int64_t d0 = -mol.axis[0].reach; d0 <= mol.axis[0].reach; ++d0)
         for (int64_t d1 = -mol.axis[1].reach; d1 <= mol.axis[1].reach; ++d1)
           for (int64_t d2 = -mol.axis[2].reach; d2 <= mol.axis[2].reach; ++d2) {
@@ -270,7 +276,7 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
 // it) and freed.
 template <typename scalar_t>
 void write_pairs(std::vector<std::vector<int64_t>>& found, const std::vector<int64_t>& count,
-                 at::Tensor& pairs, at::Tensor& images, const at::TensorOptions& long_opts,
+                 int64_t chunk, at::Tensor& pairs, at::Tensor& images, const at::TensorOptions& long_opts,
                  const at::TensorOptions& float_opts) {
   const int64_t num_chunks = static_cast<int64_t>(found.size());
   std::vector<int64_t> offset(num_chunks + 1, 0);
@@ -288,7 +294,7 @@ void write_pairs(std::vector<std::vector<int64_t>>& found, const std::vector<int
       auto& f = found[c];
       int64_t p = offset[c];
       size_t q = 0;
-      for (int64_t i = c * kChunk; i < std::min(N, (c + 1) * kChunk); ++i)
+      for (int64_t i = c * chunk; i < std::min(N, (c + 1) * chunk); ++i)
         for (int64_t k = 0; k < count[i]; ++k, ++p, q += kRecord) {
           first[p] = i;
           second[p] = f[q];
@@ -360,10 +366,11 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const char* op, const at::Tensor& 
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "neighbor_pairs_cpu", [&] {
     std::vector<std::vector<int64_t>> found;
     std::vector<int64_t> count;
+    const int64_t chunk = chunk_atoms(M * A);
     neighbors_impl<scalar_t>(sp.data_ptr<int64_t>(), x.data_ptr<scalar_t>(), M, A,
                              cell.has_value() ? cell_d : nullptr, pbc_h,
-                             cutoff, cell_list, found, count);
-    write_pairs<scalar_t>(found, count, pairs, images, sp.options(), x.options());
+                             cutoff, cell_list, chunk, found, count);
+    write_pairs<scalar_t>(found, count, chunk, pairs, images, sp.options(), x.options());
   });
   return {pairs, images};
 }

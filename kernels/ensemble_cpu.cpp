@@ -14,7 +14,7 @@
 // the input only, and results do not depend on the number of threads.
 // float32 on AVX2 CPUs multiplies with the weights' panel copies (W for the
 // forward, W^T for the backward; with AVX-512 the backward too reads W,
-// small_gemm.h); otherwise BLAS.
+// small_gemm.h, except in groups of many blocks); otherwise BLAS.
 //
 // CELU(alpha) = x for x > 0, alpha expm1(x / alpha) otherwise; its derivative
 // is kept from the forward pass. float32 uses simd_math.h's exp on AVX2 CPUs
@@ -46,6 +46,19 @@ constexpr int64_t kTargetTasks = 16;  // below this many blocks, members are spl
 // used by the forward pass) instead of W^T's: 3-atom water 1.65 -> 1.47 ms per
 // call; no gain from 4 rows up (2iuz, interleaved A/B).
 constexpr int64_t kNtMaxRows = 2;
+// With AVX-512 a block's backward transposes W into L1 (panel_nt), so that a
+// call reads only W's bytes: small molecules read each weight once per call,
+// often from memory (after another program ran), and W^T would be as many
+// bytes again. A group of at least kStoredMinBlocks blocks multiplies by the
+// stored W^T panels instead (no transposes; the same bits) when all the
+// call's panels, with those W^T, take at most kStoredMaxBytes, so that they
+// stay in a server CPU's L3 from block to block. One core, 60-96 rows of
+// 128-256-192-160 in cache: the backward 206-222 -> 224-237 GFLOP/s. 3 000
+// waters (H and O: 6 MB of W, 6 of W^T), the networks stage, median ms of
+// alternating processes: 2 threads 24.9-26.5 -> 24.7-25.7 (5 of 6 rounds
+// faster), 1 thread 47.9-51.4 -> 47.7-49.5.
+constexpr int64_t kStoredMinBlocks = 3;
+constexpr int64_t kStoredMaxBytes = int64_t(16) << 20;
 constexpr double kAlpha = 0.1;
 
 // ---------------------------------------------------------------------------
@@ -116,6 +129,8 @@ struct GroupNet {
   int64_t rows_begin;   // first entry of the group in atoms
   int64_t rows;         // atoms in the group
   int64_t jac_offset;   // first element of its J in the flat output
+  int64_t blocks = 0;   // blocks of rows (tasks per slice of the members)
+  bool stored_wt = false;  // the backward multiplies by the stored W^T panels
   // The used AEV columns (K of them) as runs of consecutive columns:
   // (first AEV column, first of the K, length).
   std::vector<std::array<int64_t, 3>> runs;
@@ -251,13 +266,15 @@ void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, 
                     const T* deriv, bool accumulate, T* out, const uint64_t* chunks) {
   const int64_t din = net.dims[l], dout = net.dims[l + 1];
   if constexpr (std::is_same_v<T, float>) {
-    // With AVX-512 every block's backward reads the forward panels (W, just
-    // used by the forward pass and still in cache) and never W^T's (blocks of
-    // up to 8 rows with dot products, larger ones through W^T panels made on
-    // the fly in L1): half the weight bytes per call, which matter when they
-    // come from memory (right after another program ran, as in the
-    // interleaved benchmark).
-    const bool from_w = rows <= kNtMaxRows || small_gemm::panel_nt_any_rows(din, dout);
+    // With AVX-512 a block's backward reads the forward panels (W, just used
+    // by the forward pass and still in cache) and not W^T's (blocks of up to
+    // 8 rows with dot products, larger ones through W^T panels made on the
+    // fly in L1): half the weight bytes per call, which matter when they come
+    // from memory (right after another program ran, as in the interleaved
+    // benchmark). Groups of many blocks whose weights stay in L3 read the
+    // stored W^T (stored_wt, kStoredMinBlocks).
+    const bool from_w = rows <= kNtMaxRows ||
+                        (!net.stored_wt && small_gemm::panel_nt_any_rows(din, dout));
     if (from_w && l < static_cast<int64_t>(net.panel_fwd.size())) {
       small_gemm::panel_nt(rows, din, dout, g, dout, net.panel_fwd[l] + m * din * dout, accumulate,
                            deriv, din, out, din, chunks);
@@ -456,7 +473,23 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     pack += 2 * nl - 1;
     rows_begin += sizes[g];
     jac_size += sizes[g] * k_cols;
-    blocks += (sizes[g] + kBlockRows - 1) / kBlockRows;
+    net.blocks = (sizes[g] + kBlockRows - 1) / kBlockRows;
+    blocks += net.blocks;
+  }
+  if (use_panels) {  // the groups whose backward reads the stored W^T (kStoredMinBlocks)
+    auto panel_bytes = [&](const GroupNet<T>& net) {
+      int64_t n = 0;
+      for (size_t l = 0; l < net.panel_fwd.size(); ++l) n += net.dims[l] * net.dims[l + 1];
+      return n * members * static_cast<int64_t>(sizeof(T));
+    };
+    int64_t bytes = 0;
+    for (const auto& net : nets) bytes += panel_bytes(net);
+    for (auto& net : nets) {
+      if (net.blocks >= kStoredMinBlocks && bytes + panel_bytes(net) <= kStoredMaxBytes) {
+        net.stored_wt = true;
+        bytes += panel_bytes(net);
+      }
+    }
   }
   TORCH_CHECK(rows_begin == atoms.numel(), "ensemble_mlp: sizes add up to ", rows_begin,
               " but atoms has ", atoms.numel(), " entries");

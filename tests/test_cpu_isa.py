@@ -117,6 +117,29 @@ def test_zero_chunk_runs_at_every_level(levels):
             assert torch.equal(values, alone)
 
 
+def test_stored_wt_backward_same_bits_as_transposed(levels):
+    # 300 rows in one group: 4 blocks of 75, so with AVX-512 the backward
+    # multiplies by the stored W^T panels (ensemble_cpu.cpp, kStoredMinBlocks);
+    # the same rows as three groups of 100 (2 blocks each) transpose W on the
+    # fly. Each row's sums run in the same order either way: the same values
+    # and J, bit for bit, and both close to plain PyTorch.
+    members = 2
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(
+        torch.float32, members, [96, 48], [64], [300], features=128)
+    panels = panels_of(first, packs, layers, members)
+    v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
+    three = [100, 100, 100]
+    for level in levels[1:]:  # the panel levels
+        values, jac = run_at(level, op, aev, atoms, sizes, columns, first, packs, panels, layers, members,
+                             True, False)
+        torch.testing.assert_close(values, v_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(jac, j_ref, rtol=1e-5, atol=1e-5)
+        v3, j3 = run_at(level, op, aev, atoms, three, columns * 3, first * 3, packs * 3, panels * 3,
+                        layers * 3, members, True, False)
+        assert torch.equal(values, v3)
+        assert torch.equal(jac, j3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_model_at_every_level(levels, dtype):
     ref, fast = model_pair("ANI2x", dtype)

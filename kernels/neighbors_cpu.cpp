@@ -276,8 +276,8 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
 // it) and freed.
 template <typename scalar_t>
 void write_pairs(std::vector<std::vector<int64_t>>& found, const std::vector<int64_t>& count,
-                 int64_t chunk, at::Tensor& pairs, at::Tensor& images, const at::TensorOptions& long_opts,
-                 const at::TensorOptions& float_opts) {
+                 int64_t chunk, at::Tensor& pairs, at::Tensor& images,
+                 const at::TensorOptions& long_opts, const at::TensorOptions& float_opts) {
   const int64_t num_chunks = static_cast<int64_t>(found.size());
   std::vector<int64_t> offset(num_chunks + 1, 0);
   for (int64_t c = 0; c < num_chunks; ++c)

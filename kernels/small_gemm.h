@@ -627,6 +627,8 @@ inline bool panels_supported() {
 // C (m x n) = epilogue(A W) as in panel_rows; n % 16 == 0; needs panels_supported().
 // a_chunks / c_chunks: the zero chunks (per row, or nullptr; k / n <= 1024 when given).
 // celu_d: C = CELU(0.1)(A W + bias), its derivative into celu_d (not with c_chunks).
+// next: next_floats floats read after this product, prefetched into L2 while
+// its last group of panels runs (AVX-512; a hint, results do not depend on it).
 inline void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                        const float* w, const float* bias, bool accumulate, const float* d,
                        int64_t ldd, float* c, int64_t ldc, const uint64_t* a_chunks = nullptr,

@@ -111,27 +111,40 @@ class FlushDenormals {
 #if defined(__x86_64__) && defined(__GNUC__)
 namespace torchani_fast::simd {
 
+// The constants of exp_parts and log, one copy for their 8- and 16-lane
+// versions (the same constants and operations give the same bits).
+namespace exp_log {
+constexpr float kMin = -87.0f, kMax = 88.0f;  // exp_parts clamps u to [kMin, kMax],
+constexpr float kZeroBelow = -87.3f;          // and gives s = 0 below kZeroBelow
+constexpr float kRound = 12582912.0f;         // 1.5 * 2^23: (x + kRound) - kRound rounds x
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860676533018672e-6f;  // ln 2 = hi + lo
+// expm1(r) = r + r^2 p(r), p's coefficients from r^5 down (Horner).
+constexpr float kExpm1[6] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f};
+constexpr float kSqrt2 = 1.41421356237f;
+// ln m = 2 t + 2 t^3 p(t^2), t = (m - 1) / (m + 1), p's coefficients from t^8 down.
+constexpr float kAtanh[5] = {1.0f / 11, 1.0f / 9, 1.0f / 7, 1.0f / 5, 1.0f / 3};
+}  // namespace exp_log
+
 // exp(u) = s (1 + q): s = 2^n, q = expm1(r), u = n ln2 + r, |r| <= ln2 / 2
 // (Taylor series of expm1 to r^7: relative error < 1e-8). Lanes below -87.3
 // give s = 0 (exp underflows to 0 in float32), lanes above 88 saturate, NaN
 // lanes give s = 0 (exp() below returns them as NaN).
 TF_AVX2_INLINE void exp_parts(__m256 u, __m256& s, __m256& q) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 uc = _mm256_min_ps(_mm256_max_ps(u, lo), _mm256_set1_ps(88.0f));
-  const __m256 round = _mm256_set1_ps(12582912.0f);  // 1.5 * 2^23
-  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(uc, _mm256_set1_ps(1.44269504088896341f), round), round);
-  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860676533018672e-6f),
-                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), uc));
-  __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(1.0f / 5040), _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.5f));
+  using namespace exp_log;
+  const __m256 lo = _mm256_set1_ps(kMin);
+  const __m256 uc = _mm256_min_ps(_mm256_max_ps(u, lo), _mm256_set1_ps(kMax));
+  const __m256 round = _mm256_set1_ps(kRound);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(uc, _mm256_set1_ps(kLog2e), round), round);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo),
+                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), uc));
+  __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(kExpm1[0]), _mm256_set1_ps(kExpm1[1]));
+  for (int i = 2; i < 6; ++i) p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(kExpm1[i]));
   q = _mm256_fmadd_ps(_mm256_mul_ps(r, r), p, r);
   const __m256i bits = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   s = _mm256_and_ps(_mm256_castsi256_ps(bits),
-                    _mm256_cmp_ps(u, _mm256_set1_ps(-87.3f), _CMP_GE_OQ));
+                    _mm256_cmp_ps(u, _mm256_set1_ps(kZeroBelow), _CMP_GE_OQ));
 }
 
 // exp_parts on 16 lanes: the same operations lane by lane, so the same bits.
@@ -139,23 +152,21 @@ TF_AVX2_INLINE void exp_parts(__m256 u, __m256& s, __m256& q) {
 // `_mm512_undefined_*()` source of an unmasked operation; the masked forms
 // with every lane set below are the same instructions without the warning.)
 TF_AVX512_INLINE void exp_parts(__m512 u, __m512& s, __m512& q) {
+  using namespace exp_log;
   const __mmask16 all = 0xFFFF;
-  const __m512 lo = _mm512_mask_max_ps(u, all, u, _mm512_set1_ps(-87.0f));
-  const __m512 uc = _mm512_mask_min_ps(lo, all, lo, _mm512_set1_ps(88.0f));
-  const __m512 round = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(uc, _mm512_set1_ps(1.44269504088896341f), round), round);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860676533018672e-6f),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), uc));
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 5040), _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.5f));
+  const __m512 lo = _mm512_mask_max_ps(u, all, u, _mm512_set1_ps(kMin));
+  const __m512 uc = _mm512_mask_min_ps(lo, all, lo, _mm512_set1_ps(kMax));
+  const __m512 round = _mm512_set1_ps(kRound);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(uc, _mm512_set1_ps(kLog2e), round), round);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), uc));
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(kExpm1[0]), _mm512_set1_ps(kExpm1[1]));
+  for (int i = 2; i < 6; ++i) p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(kExpm1[i]));
   q = _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r);
   const __m512i ni = _mm512_mask_cvtps_epi32(_mm512_setzero_si512(), all, n);
   const __m512i bits = _mm512_mask_slli_epi32(_mm512_setzero_si512(), all,
                                               _mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
-  s = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, _mm512_set1_ps(-87.3f), _CMP_GE_OQ),
+  s = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, _mm512_set1_ps(kZeroBelow), _CMP_GE_OQ),
                           _mm512_castsi512_ps(bits));
 }
 
@@ -203,21 +214,20 @@ TF_AVX2_INLINE __m256 log(__m256 x) {
   __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(127));
   __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
       _mm256_and_si256(xi, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
-  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(exp_log::kSqrt2), _CMP_GT_OQ);
   m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
   e = _mm256_sub_epi32(e, _mm256_castps_si256(big));  // a true lane is -1 as an integer
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 t = _mm256_div_ps(_mm256_sub_ps(m, one), _mm256_add_ps(m, one));
   const __m256 t2 = _mm256_mul_ps(t, t);
-  __m256 p = _mm256_fmadd_ps(t2, _mm256_set1_ps(1.0f / 11), _mm256_set1_ps(1.0f / 9));
-  p = _mm256_fmadd_ps(t2, p, _mm256_set1_ps(1.0f / 7));
-  p = _mm256_fmadd_ps(t2, p, _mm256_set1_ps(1.0f / 5));
-  p = _mm256_fmadd_ps(t2, p, _mm256_set1_ps(1.0f / 3));
+  const float* a = exp_log::kAtanh;
+  __m256 p = _mm256_fmadd_ps(t2, _mm256_set1_ps(a[0]), _mm256_set1_ps(a[1]));
+  for (int i = 2; i < 5; ++i) p = _mm256_fmadd_ps(t2, p, _mm256_set1_ps(a[i]));
   const __m256 twice_t = _mm256_add_ps(t, t);
   const __m256 ln_m = _mm256_fmadd_ps(_mm256_mul_ps(twice_t, t2), p, twice_t);
   const __m256 ef = _mm256_cvtepi32_ps(e);
-  return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693145751953125f),
-                         _mm256_fmadd_ps(ef, _mm256_set1_ps(1.42860676533018672e-6f), ln_m));
+  return _mm256_fmadd_ps(ef, _mm256_set1_ps(exp_log::kLn2Hi),
+                         _mm256_fmadd_ps(ef, _mm256_set1_ps(exp_log::kLn2Lo), ln_m));
 }
 
 // log on 16 lanes: the same operations lane by lane, so the same bits.
@@ -227,21 +237,20 @@ TF_AVX512_INLINE __m512 log(__m512 x) {
   __m512i e = _mm512_sub_epi32(_mm512_maskz_srli_epi32(all, xi, 23), _mm512_set1_epi32(127));
   __m512 m = _mm512_castsi512_ps(_mm512_or_si512(
       _mm512_and_si512(xi, _mm512_set1_epi32(0x007fffff)), _mm512_set1_epi32(0x3f800000)));
-  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(exp_log::kSqrt2), _CMP_GT_OQ);
   m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
   e = _mm512_mask_add_epi32(e, big, e, _mm512_set1_epi32(1));
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 t = _mm512_div_ps(_mm512_sub_ps(m, one), _mm512_add_ps(m, one));
   const __m512 t2 = _mm512_mul_ps(t, t);
-  __m512 p = _mm512_fmadd_ps(t2, _mm512_set1_ps(1.0f / 11), _mm512_set1_ps(1.0f / 9));
-  p = _mm512_fmadd_ps(t2, p, _mm512_set1_ps(1.0f / 7));
-  p = _mm512_fmadd_ps(t2, p, _mm512_set1_ps(1.0f / 5));
-  p = _mm512_fmadd_ps(t2, p, _mm512_set1_ps(1.0f / 3));
+  const float* a = exp_log::kAtanh;
+  __m512 p = _mm512_fmadd_ps(t2, _mm512_set1_ps(a[0]), _mm512_set1_ps(a[1]));
+  for (int i = 2; i < 5; ++i) p = _mm512_fmadd_ps(t2, p, _mm512_set1_ps(a[i]));
   const __m512 twice_t = _mm512_add_ps(t, t);
   const __m512 ln_m = _mm512_fmadd_ps(_mm512_mul_ps(twice_t, t2), p, twice_t);
   const __m512 ef = _mm512_maskz_cvtepi32_ps(all, e);
-  return _mm512_fmadd_ps(ef, _mm512_set1_ps(0.693145751953125f),
-                         _mm512_fmadd_ps(ef, _mm512_set1_ps(1.42860676533018672e-6f), ln_m));
+  return _mm512_fmadd_ps(ef, _mm512_set1_ps(exp_log::kLn2Hi),
+                         _mm512_fmadd_ps(ef, _mm512_set1_ps(exp_log::kLn2Lo), ln_m));
 }
 
 // sin(v) for |v| <= pi / 2: Taylor series to v^13 (truncation below 1e-9).

@@ -81,9 +81,10 @@ inline void add_triple_grad(const Neighbor<scalar_t>& n1, const Neighbor<scalar_
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // float32 on AVX2 CPUs when R is a multiple of 8, A <= 8 and Z is 1, 2, 4 or 8
 // (every ANI model: ANI-1x A = 4, Z = 8; ANI-2x A = 8, Z = 4). Radial terms:
-// 8 shifts per vector. Angular terms: 8 triples per vector. An atom's angular
-// neighbours are sorted by species (stably), so that the triples of one
-// species pair, which all add to the same AEV block, can be listed together;
+// 8 shifts per vector. Angular terms: 8 triples per vector. An atom's
+// neighbours come sorted by species (stably: build_half_edges), so that the
+// triples of one species pair, which all add to the same AEV block, can be
+// listed together;
 // each block's list is padded to whole vectors with triples that add zero.
 // The forward then keeps one accumulator vector per term of the block, and the
 // backward reads the block's gradient as broadcasts. Per atom, the work and its
@@ -147,7 +148,6 @@ struct NeighborArrays {
 // Per-thread scratch of one centre's terms, reused from atom to atom.
 struct CentreScratch {
   NeighborArrays all, ang;
-  std::vector<int64_t> cursor;
   // Triples, block after block, each block padded to a multiple of 8 (16 on
   // the 16-lane path).
   // Forward and backward: c = 0.95 cos, sqrt(1 - c^2), the mean distance and
@@ -168,29 +168,22 @@ struct CentreScratch {
   std::vector<float> coef;  // backward: (n + 8,) radial terms' coefficient of each neighbour
 };
 
-// All neighbours of centre i from its half edges, sorted by species, with their
-// distances, into w.all; then those within rc_a into w.ang, in the same order.
-TF_AVX2 void sorted_neighbors(const HalfEdges& h, int64_t i, const int64_t* species,
-                              const float* diff, const Consts<float>& k, bool backward,
-                              CentreScratch& w) {
+// All neighbours of centre i from its half edges (which come sorted by
+// species, with their vectors: build_half_edges), with their distances, into
+// w.all; then those within rc_a into w.ang, in the same order.
+TF_AVX2 void sorted_neighbors(const HalfEdges& h, int64_t i, const Consts<float>& k,
+                              bool backward, CentreScratch& w) {
   NeighborArrays& all = w.all;
   NeighborArrays& ang = w.ang;
-  std::vector<int64_t>& cursor = w.cursor;
-  const int64_t e0 = h.start[i], e1 = h.start[i + 1];
-  all.resize(e1 - e0, k.S);
-  for (int64_t e = e0; e < e1; ++e) all.seg[species[h.other[e]] + 1]++;
-  for (int64_t s = 0; s < k.S; ++s) all.seg[s + 1] += all.seg[s];
-  cursor.assign(all.seg.begin(), all.seg.end() - 1);
-  for (int64_t e = e0; e < e1; ++e) {
-    const int64_t pos = cursor[species[h.other[e]]]++;
-    const int64_t p = h.pair[e];
-    // The centre-to-neighbour vector is -diff for i0's half edge (branch-free:
-    // which one it is varies at random).
-    const float sign = static_cast<float>(1 - 2 * static_cast<int>(h.edge0[p] == e));
-    all.x[pos] = sign * diff[3 * p];
-    all.y[pos] = sign * diff[3 * p + 1];
-    all.z[pos] = sign * diff[3 * p + 2];
-    all.edge[pos] = e;
+  const int64_t e0 = h.start[i];
+  all.resize(h.start[i + 1] - e0, k.S);
+  for (int64_t s = 0; s <= k.S; ++s) all.seg[s] = h.seg[i * k.S + s] - e0;
+  const float* v = h.vec.data() + 4 * e0;
+  for (int64_t e = 0; e < all.n; ++e) {
+    all.x[e] = v[4 * e];
+    all.y[e] = v[4 * e + 1];
+    all.z[e] = v[4 * e + 2];
+    all.edge[e] = e0 + e;
   }
   for (int64_t e = 0; e < all.n; e += 8) {
     const __m256 x = _mm256_loadu_ps(all.x.data() + e), y = _mm256_loadu_ps(all.y.data() + e),
@@ -763,15 +756,15 @@ TF_AVX512 void radial_backward512(const NeighborArrays& nb, const Consts<float>&
 
 // wide: the exp and log on 16 lanes (AVX-512), the same bits.
 TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
-                                const float* diff, const HalfEdges& h, const Consts<float>& k,
-                                float* aev, bool wide) {
+                                const HalfEdges& h, const Consts<float>& k, float* aev,
+                                bool wide) {
   CentreScratch w;
   const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
     float* row = aev + i * k.F;
     std::fill(row, row + k.F, 0.0f);  // (the output is allocated uninitialised)
     if (species[i] < 0) continue;
-    sorted_neighbors(h, i, species, diff, k, false, w);
+    sorted_neighbors(h, i, k, false, w);
     if (wide)
       radial_forward512(w.all, k, row);
     else
@@ -787,14 +780,14 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
 
 // wide: the radial and angular terms on 16 lanes (AVX-512), the same bits.
 TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
-                                 const float* diff, const HalfEdges& h, const Consts<float>& k,
+                                 const HalfEdges& h, const Consts<float>& k,
                                  const float* grad_aev, float* grad_edge, bool wide) {
   CentreScratch w;
   const AngularConsts ac(k);
   for (int64_t i = begin; i < end; ++i) {
     if (species[i] < 0) continue;
     const float* grow = grad_aev + i * k.F;
-    sorted_neighbors(h, i, species, diff, k, true, w);
+    sorted_neighbors(h, i, k, true, w);
     if (wide)
       radial_backward512(w.all, k, grow, w.coef, grad_edge);
     else
@@ -810,16 +803,26 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
 #pragma GCC diagnostic pop
 #endif
 
+// Whether the vectorised kernels compute this AEV (their half edges carry
+// vectors: build_half_edges).
+template <typename scalar_t>
+bool vector_kernels(const Consts<scalar_t>& k) {
+#ifdef TF_SIMD_AVX2
+  if constexpr (std::is_same_v<scalar_t, float>) return vector_path(k);
+#endif
+  return false;
+}
+
 template <typename scalar_t>
 void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdges& h,
                     const Consts<scalar_t>& k, int64_t num_atoms, scalar_t* aev) {
 #ifdef TF_SIMD_AVX2
   if constexpr (std::is_same_v<scalar_t, float>) {
-    if (vector_path(k)) {
+    if (h.vectors) {
       const bool wide = simd::have_avx512();
       at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
         const simd::FlushDenormals flush;
-        forward_atoms_avx2(begin, end, species, diff, h, k, aev, wide);
+        forward_atoms_avx2(begin, end, species, h, k, aev, wide);
       });
       return;
     }
@@ -880,12 +883,12 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
                      scalar_t* grad_edge) {
 #ifdef TF_SIMD_AVX2
   if constexpr (std::is_same_v<scalar_t, float>) {
-    if (vector_path(k)) {
+    if (h.vectors) {
       const bool wide = simd::have_avx512();
       at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
         const simd::FlushDenormals flush;
         zero_edges(h, begin, end, grad_edge);
-        backward_atoms_avx2(begin, end, species, diff, h, k, grad_aev, grad_edge, wide);
+        backward_atoms_avx2(begin, end, species, h, k, grad_aev, grad_edge, wide);
       });
       return;
     }
@@ -997,7 +1000,7 @@ at::Tensor aev_forward_cpu(const at::Tensor& species, const at::Tensor& pairs,
   auto aev = cache.empty(aev_shape(species, p), in.diff.options());  // every row written by the kernel
   AT_DISPATCH_FLOATING_TYPES(in.diff.scalar_type(), "aev_forward_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = in.half_edges<scalar_t>(p.radial_cutoff);
+    auto h = in.half_edges<scalar_t>(p, vector_kernels(k));
     forward_kernel(in.species.data_ptr<int64_t>(), in.diff.data_ptr<scalar_t>(), h, k, in.N,
                    aev.data_ptr<scalar_t>());
   });
@@ -1014,7 +1017,7 @@ at::Tensor aev_backward_cpu(const at::Tensor& grad_aev, const at::Tensor& specie
   auto grad_diff = at::empty({in.P, 3}, in.diff.options());  // every row written by edges_to_pairs
   AT_DISPATCH_FLOATING_TYPES(in.diff.scalar_type(), "aev_backward_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = in.half_edges<scalar_t>(p.radial_cutoff);
+    auto h = in.half_edges<scalar_t>(p, vector_kernels(k));
     UninitVector<scalar_t> grad_edge(3 * h.start[in.N]);  // zeroed by backward_kernel
     backward_kernel(in.species.data_ptr<int64_t>(), in.diff.data_ptr<scalar_t>(), h, k, in.N,
                     g.data_ptr<scalar_t>(), grad_edge.data());

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -47,56 +48,77 @@ struct UninitAllocator : std::allocator<T> {
 template <typename T>
 using UninitVector = std::vector<T, UninitAllocator<T>>;
 
-// Half edges grouped by their owning atom (compressed sparse rows).
+// Half edges grouped by their owning atom (compressed sparse rows), and inside
+// each atom by the neighbour's species.
 struct HalfEdges {
+  int64_t S = 0;                 // number of species
+  bool vectors = false;          // vec (and no pair, other) written
   std::vector<int64_t> start;    // (N+1,) first half edge of each atom
-  UninitVector<int64_t> pair;    // (E,) pair index
-  UninitVector<int64_t> other;   // (E,) the neighbour atom
+  std::vector<int64_t> seg;      // (N*S+1,) first half edge of each (atom, neighbour species)
+  UninitVector<int64_t> pair;    // (E,) pair index (without vectors)
+  UninitVector<int64_t> other;   // (E,) the neighbour atom (without vectors)
+  UninitVector<float> vec;       // (E, 4) with vectors: centre-to-neighbour x, y, z (and 0)
   UninitVector<int64_t> edge0;   // (P,) half edge owned by i0, or -1
   UninitVector<int64_t> edge1;   // (P,) half edge owned by i1, or -1
+  int64_t edges() const { return start.back(); }
 };
 
 // Pairs that touch a padding atom or lie beyond the radial cutoff are dropped
 // here, so callers may pass any superset of the true neighbour list.
 //
 // In parallel over contiguous chunks of pairs: each chunk counts its half
-// edges per atom, then places them after those of the chunks before it. Every
-// atom's half edges therefore come in pair order, exactly as one serial pass
-// over the pairs would place them, for any number of chunks (the AEV sums
-// over them in that order: the same bits for any thread count).
+// edges per (atom, neighbour species), then places them after those of the
+// chunks before it. Every atom's half edges therefore come by species, each
+// species in pair order, exactly as one serial pass over the pairs would
+// place them, for any number of chunks (the AEV sums over them in that
+// order: the same bits for any thread count).
+//
+// vectors (float32 only): store each half edge's centre-to-neighbour vector
+// (for the vectorised AEV kernels, which then read them in order) instead of
+// its pair and neighbour atom (for the portable kernels, HalfEdgeView).
 template <typename scalar_t>
 HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int64_t* i0,
                            const int64_t* i1, const scalar_t* diff, int64_t num_pairs,
-                           double cutoff) {
+                           double cutoff, int64_t num_species, bool vectors) {
+  static_assert(std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>);
+  TORCH_INTERNAL_ASSERT(!vectors || (std::is_same_v<scalar_t, float>));
   HalfEdges h;
+  h.vectors = vectors;
+  const int64_t S = h.S = num_species, NS = num_atoms * S;
   const scalar_t cutoff_sq = static_cast<scalar_t>(cutoff * cutoff);
-  const int64_t chunks =
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_pairs / 16384));
-  const auto chunk_begin = [&](int64_t c) { return num_pairs * c / chunks; };
-  // count: per chunk and atom, the atom's half edges in the chunk, and after
-  // the prefix pass the first of them.
-  std::vector<int64_t> count(chunks * num_atoms, 0), bad(chunks, -1);
+  // (the per-chunk counts stay below 2^24 entries: 128 MB)
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min({static_cast<int64_t>(at::get_num_threads()), num_pairs / 16384,
+                   (int64_t{1} << 24) / std::max<int64_t>(1, NS)}));
+  std::vector<int64_t> bounds(chunks + 1);
+  for (int64_t c = 0; c <= chunks; ++c) bounds[c] = num_pairs * c / chunks;
+  // count: per chunk, atom and neighbour species, the chunk's half edges, and
+  // after the prefix pass the first of them.
+  std::vector<int64_t> count(chunks * NS, 0), bad(chunks, -1);
   h.edge0.resize(num_pairs);  // -1 for a dropped pair, 0 for a kept one until it is placed
   h.edge1.resize(num_pairs);
+  int64_t* const edge0 = h.edge0.data();
+  int64_t* const edge1 = h.edge1.data();
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      int64_t* cnt = count.data() + c * num_atoms;
-      for (int64_t p = chunk_begin(c); p < chunk_begin(c + 1); ++p) {
+      int64_t* const cnt = count.data() + c * NS;
+      for (int64_t p = bounds[c], end = bounds[c + 1]; p < end; ++p) {
         const int64_t a = i0[p], b = i1[p];
-        h.edge0[p] = h.edge1[p] = -1;
+        edge0[p] = edge1[p] = -1;
         // A negative index marks an unused slot of a fixed-capacity pair list.
         if (a < 0 || b < 0) continue;
         if (a >= num_atoms || b >= num_atoms) {
           bad[c] = p;  // reported below: the first bad pair of all
           break;
         }
-        if (species[a] < 0 || species[b] < 0) continue;
+        const int64_t sa = species[a], sb = species[b];
+        if (sa < 0 || sb < 0) continue;
         const scalar_t* d = diff + 3 * p;
         const scalar_t r2 = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];
         if (!(r2 <= cutoff_sq)) continue;
-        h.edge0[p] = 0;
-        cnt[a]++;
-        cnt[b]++;
+        edge0[p] = 0;
+        cnt[a * S + sb]++;
+        cnt[b * S + sa]++;
       }
     }
   });
@@ -106,32 +128,51 @@ HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int6
                 " flattened atoms, got pair ", p, " = (", i0[p < 0 ? 0 : p], ", ",
                 i1[p < 0 ? 0 : p], ")");
   }
-  h.start.assign(num_atoms + 1, 0);
-  for (int64_t n = 0, e = 0; n < num_atoms; ++n) {
+  h.seg.resize(NS + 1);
+  int64_t e = 0;
+  for (int64_t n = 0; n < NS; ++n) {
+    h.seg[n] = e;
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t k = count[c * num_atoms + n];
-      count[c * num_atoms + n] = e;
+      const int64_t k = count[c * NS + n];
+      count[c * NS + n] = e;
       e += k;
     }
-    h.start[n + 1] = e;
   }
-  const int64_t num_edges = h.start[num_atoms];
-  h.pair.resize(num_edges);
-  h.other.resize(num_edges);
+  h.seg[NS] = e;
+  h.start.resize(num_atoms + 1);
+  for (int64_t n = 0; n <= num_atoms; ++n) h.start[n] = h.seg[n * S];
+  const int64_t num_edges = e;
+  if (vectors) {
+    h.vec.resize(4 * num_edges);
+  } else {
+    h.pair.resize(num_edges);
+    h.other.resize(num_edges);
+  }
+  float* const vec = h.vec.data();
+  int64_t* const pair = h.pair.data();
+  int64_t* const other = h.other.data();
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      int64_t* cursor = count.data() + c * num_atoms;
-      for (int64_t p = chunk_begin(c); p < chunk_begin(c + 1); ++p) {
-        if (h.edge0[p] < 0) continue;
+      int64_t* const cursor = count.data() + c * NS;
+      for (int64_t p = bounds[c], end = bounds[c + 1]; p < end; ++p) {
+        if (edge0[p] < 0) continue;
         const int64_t a = i0[p], b = i1[p];
-        int64_t e = cursor[a]++;
-        h.pair[e] = p;
-        h.other[e] = b;
-        h.edge0[p] = e;
-        e = cursor[b]++;
-        h.pair[e] = p;
-        h.other[e] = a;
-        h.edge1[p] = e;
+        const int64_t ea = cursor[a * S + species[b]]++, eb = cursor[b * S + species[a]]++;
+        edge0[p] = ea;
+        edge1[p] = eb;
+        if (vectors) {
+          // The centre-to-neighbour vector: -diff for i0's half edge, +diff for i1's.
+          const float x = static_cast<float>(diff[3 * p]), y = static_cast<float>(diff[3 * p + 1]),
+                      z = static_cast<float>(diff[3 * p + 2]);
+          float* va = vec + 4 * ea;
+          float* vb = vec + 4 * eb;
+          va[0] = -x, va[1] = -y, va[2] = -z, va[3] = 0.0f;
+          vb[0] = x, vb[1] = y, vb[2] = z, vb[3] = 0.0f;
+        } else {
+          pair[ea] = pair[eb] = p;
+          other[ea] = b;
+          other[eb] = a;
+        }
       }
     }
   });
@@ -276,11 +317,13 @@ struct AevInputs {
   }
   // Another input (grad_aev, a tangent) in the working dtype, contiguous.
   at::Tensor working(const at::Tensor& t) const { return t.to(diff.scalar_type()).contiguous(); }
+  // vectors: see build_half_edges.
   template <typename scalar_t>
-  HalfEdges half_edges(double cutoff) const {
+  HalfEdges half_edges(const AEVParams& p, bool vectors = false) const {
     const int64_t* pr = pairs.data_ptr<int64_t>();
     return build_half_edges(species.data_ptr<int64_t>(), N, pr, pr + P,
-                            diff.data_ptr<scalar_t>(), P, cutoff);
+                            diff.data_ptr<scalar_t>(), P, p.radial_cutoff, p.num_species,
+                            vectors);
   }
 };
 

@@ -31,7 +31,7 @@ namespace {
 template <typename scalar_t>
 void edge_directions(const HalfEdges& h, const scalar_t* t, int64_t num_pairs,
                      std::vector<scalar_t>& u, std::vector<uint8_t>& moving) {
-  const int64_t E = static_cast<int64_t>(h.pair.size());
+  const int64_t E = h.edges();
   u.assign(3 * E, scalar_t(0));
   moving.assign(E, 0);
   at::parallel_for(0, num_pairs, 1024, [&](int64_t begin, int64_t end) {
@@ -64,7 +64,7 @@ at::Tensor aev_jvp_cpu(const at::Tensor& tangent, const at::Tensor& species,
   auto out = at::zeros(aev_shape(species, p), diff.options());
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_jvp_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = in.half_edges<scalar_t>(p.radial_cutoff);
+    auto h = in.half_edges<scalar_t>(p);
     std::vector<scalar_t> u;
     std::vector<uint8_t> moving;
     edge_directions(h, t.data_ptr<scalar_t>(), P, u, moving);
@@ -100,7 +100,7 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
   auto out = at::empty({P, 3}, diff.options());  // every row written by edges_to_pairs
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_double_backward_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = in.half_edges<scalar_t>(p.radial_cutoff);
+    auto h = in.half_edges<scalar_t>(p);
     std::vector<scalar_t> u;
     std::vector<uint8_t> moving;
     edge_directions(h, t.data_ptr<scalar_t>(), P, u, moving);
@@ -151,11 +151,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
   at::Tensor local_atoms, jac, curv;
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_local_derivatives_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = in.half_edges<scalar_t>(p.radial_cutoff);
+    auto h = in.half_edges<scalar_t>(p);
     const auto kv = k.view();
     const HalfEdgeView<scalar_t> hv(h, sp.data_ptr<int64_t>(), diff.data_ptr<scalar_t>());
     const int64_t* spp = sp.data_ptr<int64_t>();
-    const int64_t E = static_cast<int64_t>(h.pair.size());
+    const int64_t E = h.edges();
     // Slots of each centre's neighbours (see local_slots_center), then K = the most.
     std::vector<int64_t> slot(E), first_pair(E), count(N, 1);
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {

@@ -93,6 +93,9 @@ inline void add_triple_grad(const Neighbor<scalar_t>& n1, const Neighbor<scalar_
 // neighbours; blocks padded to 16), each lane doing the 8-lane code's
 // operations, and the forward's sums stay on 8 lanes in the same order: the
 // same bits as AVX2 (*512 functions, chosen per call with simd::have_avx512()).
+// There the exp and log of several shifts or sections run side by side
+// (simd::exp_n, log_n): as independent chains, one after the other, they
+// kept the core waiting on their latency (10-15% of the AEV's time).
 bool vector_path(const Consts<float>& k) {
   return simd::have_avx2() && k.R % 8 == 0 && k.A <= 8 &&
          (k.Z == 1 || k.Z == 2 || k.Z == 4 || k.Z == 8);
@@ -327,17 +330,18 @@ TF_AVX2_INLINE __m256 radial_factor(const AngularConsts& ac, int64_t a, __m256 m
   return simd::exp(_mm256_mul_ps(_mm256_mul_ps(ac.neg_eta[a], x), x));
 }
 
-// section_base and radial_factor on 16 lanes (the constants broadcast from k):
-// the same operations, so the same bits.
+// section_base on 16 lanes (the constants broadcast from k), and
+// radial_factor's exp argument -eta_a (mean_r - shf_a)^2 (its exp: exp_n, on
+// several shifts at once): the same operations, so the same bits.
 TF_AVX512_INLINE __m512 section_base(const Consts<float>& k, int s, __m512 c, __m512 sin_c) {
   const __m512 cdev = _mm512_fmadd_ps(c, _mm512_set1_ps(k.cos_z[s]),
                                       _mm512_mul_ps(sin_c, _mm512_set1_ps(k.sin_z[s])));
   return _mm512_mul_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), cdev), _mm512_set1_ps(0.5f));
 }
 
-TF_AVX512_INLINE __m512 radial_factor(const Consts<float>& k, int64_t a, __m512 m, __m512& x) {
+TF_AVX512_INLINE __m512 radial_arg(const Consts<float>& k, int64_t a, __m512 m, __m512& x) {
   x = _mm512_sub_ps(m, _mm512_set1_ps(k.shf_a[a]));
-  return simd::exp(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_a[a]), x), x));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_a[a]), x), x);
 }
 
 // The 8 horizontal sums of v[0..8), in order.
@@ -417,9 +421,13 @@ TF_AVX512 void block_forward512(CentreScratch& w, const CentreScratch::Block& b,
     const int64_t t = b.begin + 8 * v;
     const __m512 c = load16(w.c, t), s = load16(w.sin_c, t);
     const __m512 fcc2 = _mm512_mul_ps(_mm512_set1_ps(2.0f), load16(w.fcc, t));
+    __m512 base[Z], p[Z];
+    for (int zi = 0; zi < Z; ++zi) base[zi] = section_base(k, zi, c, s);
+    simd::log_n(base, p);
+    for (int zi = 0; zi < Z; ++zi) p[zi] = _mm512_mul_ps(_mm512_set1_ps(k.zeta[zi]), p[zi]);
+    simd::exp_n(p, p);
     for (int zi = 0; zi < Z; ++zi) {
-      const __m512 base = section_base(k, zi, c, s);
-      const __m512 f = _mm512_mul_ps(fcc2, simd::exp(_mm512_mul_ps(_mm512_set1_ps(k.zeta[zi]), simd::log(base))));
+      const __m512 f = _mm512_mul_ps(fcc2, p[zi]);
       _mm256_storeu_ps(f1 + (v * Z + zi) * 8, _mm512_castps512_ps256(f));
       _mm256_storeu_ps(f1 + ((v + 1) * Z + zi) * 8, _mm512_extractf32x8_ps(f, 1));
     }
@@ -430,10 +438,13 @@ TF_AVX512 void block_forward512(CentreScratch& w, const CentreScratch::Block& b,
     for (int64_t v = 0; v < vectors; v += 2) {
       const __m512 m = load16(w.mean_r, b.begin + 8 * v);
       __m512 f2[kShifts];
-      for (int i = 0; i < kShifts; ++i) {
+      for (int i = 0; i < kShifts; ++i) {  // (past the last shift: the last again, unused)
         __m512 x;
-        f2[i] = a0 + i < A ? radial_factor(k, a0 + i, m, x) : _mm512_setzero_ps();
+        f2[i] = radial_arg(k, std::min<int64_t>(a0 + i, A - 1), m, x);
       }
+      simd::exp_n(f2, f2);
+      for (int i = 0; i < kShifts; ++i)
+        if (a0 + i >= A) f2[i] = _mm512_setzero_ps();
       for (int64_t h = 0; h < 2 && v + h < vectors; ++h) {
         for (int zi = 0; zi < Z; ++zi) {
           const __m256 f = _mm256_loadu_ps(f1 + ((v + h) * Z + zi) * 8);
@@ -517,26 +528,34 @@ TF_AVX512 void block_backward512(CentreScratch& w, const CentreScratch::Block& b
     const __m512 m = load16(w.mean_r, t);
     __m512 g2[Z], gd2[Z];
     for (int zi = 0; zi < Z; ++zi) g2[zi] = gd2[zi] = _mm512_setzero_ps();
-    for (int64_t a = 0; a < A; ++a) {
-      __m512 x;
-      const __m512 f2 = radial_factor(k, a, m, x);
-      const __m512 neg_eta = _mm512_set1_ps(-k.eta_a[a]);
-      const __m512 df2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(neg_eta, neg_eta), x), f2);
-      for (int zi = 0; zi < Z; ++zi) {
-        const __m512 gz = _mm512_set1_ps(g[a * Z + zi]);
-        g2[zi] = _mm512_fmadd_ps(gz, f2, g2[zi]);
-        gd2[zi] = _mm512_fmadd_ps(gz, df2, gd2[zi]);
+    for (int64_t a0 = 0; a0 < A; a0 += 4) {
+      __m512 x[4], u[4], f2[4];
+      for (int i = 0; i < 4; ++i)  // (past the last shift: the last again, unused)
+        u[i] = radial_arg(k, std::min<int64_t>(a0 + i, A - 1), m, x[i]);
+      simd::exp_n(u, f2);
+      for (int i = 0; i < 4 && a0 + i < A; ++i) {
+        const int64_t a = a0 + i;
+        const __m512 neg_eta = _mm512_set1_ps(-k.eta_a[a]);
+        const __m512 df2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(neg_eta, neg_eta), x[i]), f2[i]);
+        for (int zi = 0; zi < Z; ++zi) {
+          const __m512 gz = _mm512_set1_ps(g[a * Z + zi]);
+          g2[zi] = _mm512_fmadd_ps(gz, f2[i], g2[zi]);
+          gd2[zi] = _mm512_fmadd_ps(gz, df2, gd2[zi]);
+        }
       }
     }
     const __m512 c = load16(w.c, t), s = load16(w.sin_c, t);
     const __m512 c_over_s = _mm512_div_ps(c, s);
     __m512 s_val = _mm512_setzero_ps(), s_dc = _mm512_setzero_ps(), s_dm = _mm512_setzero_ps();
+    __m512 base[Z], p[Z];
+    for (int zi = 0; zi < Z; ++zi) base[zi] = section_base(k, zi, c, s);
+    simd::log_n(base, p);
+    for (int zi = 0; zi < Z; ++zi) p[zi] = _mm512_mul_ps(_mm512_set1_ps(k.zeta[zi] - 1.0f), p[zi]);
+    simd::exp_n(p, p);
     for (int zi = 0; zi < Z; ++zi) {
       const __m512 cos_z = _mm512_set1_ps(k.cos_z[zi]), sin_z = _mm512_set1_ps(k.sin_z[zi]);
-      const __m512 base = section_base(k, zi, c, s);
-      const __m512 p = simd::exp(_mm512_mul_ps(_mm512_set1_ps(k.zeta[zi] - 1.0f), simd::log(base)));
-      const __m512 f1 = _mm512_mul_ps(_mm512_mul_ps(two, p), base);
-      const __m512 df1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(k.zeta[zi]), p),
+      const __m512 f1 = _mm512_mul_ps(_mm512_mul_ps(two, p[zi]), base[zi]);
+      const __m512 df1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(k.zeta[zi]), p[zi]),
                                        _mm512_fnmadd_ps(c_over_s, sin_z, cos_z));
       s_val = _mm512_fmadd_ps(g2[zi], f1, s_val);
       s_dc = _mm512_fmadd_ps(g2[zi], df1, s_dc);
@@ -668,11 +687,15 @@ TF_AVX512 void radial_forward512(const NeighborArrays& nb, const Consts<float>& 
         const __m512 scale = _mm512_maskz_mul_ps(in, quarter, _mm512_loadu_ps(nb.fc.data() + v));
         const __m256 scale_lo = _mm512_castps512_ps256(scale), scale_hi = _mm512_extractf32x8_ps(scale, 1);
         const bool hi = v + 8 < e;
+        __m512 t[8];
         for (int i = 0; i < 8; ++i) {
           const __m512 x = _mm512_sub_ps(r, _mm512_set1_ps(k.shf_r[q + i]));
-          const __m512 t = simd::exp(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_r[q + i]), x), x));
-          acc[i] = _mm256_fmadd_ps(_mm512_castps512_ps256(t), scale_lo, acc[i]);
-          if (hi) acc[i] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(t, 1), scale_hi, acc[i]);
+          t[i] = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_r[q + i]), x), x);
+        }
+        simd::exp_n(t, t);
+        for (int i = 0; i < 8; ++i) {
+          acc[i] = _mm256_fmadd_ps(_mm512_castps512_ps256(t[i]), scale_lo, acc[i]);
+          if (hi) acc[i] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(t[i], 1), scale_hi, acc[i]);
         }
       }
       float* out = row + s * k.R + q;
@@ -738,12 +761,19 @@ TF_AVX512 void radial_backward512(const NeighborArrays& nb, const Consts<float>&
     for (int64_t v = nb.seg[s]; v < nb.seg[s + 1]; v += 16) {
       const __m512 r = _mm512_loadu_ps(nb.r.data() + v);
       __m512 sum_e = zero, sum_et = zero;
-      for (int64_t q = 0; q < k.R; ++q) {
-        const __m512 x = _mm512_sub_ps(r, _mm512_set1_ps(k.shf_r[q]));
-        const __m512 t = _mm512_mul_ps(_mm512_set1_ps(k.eta_r[q]), x);
-        const __m512 ge = _mm512_mul_ps(_mm512_set1_ps(g[q]), simd::exp(_mm512_fnmadd_ps(t, x, zero)));
-        sum_e = _mm512_add_ps(sum_e, ge);
-        sum_et = _mm512_fmadd_ps(ge, t, sum_et);
+      for (int64_t q0 = 0; q0 < k.R; q0 += 8) {  // (R is a multiple of 8)
+        __m512 t[8], e[8];
+        for (int i = 0; i < 8; ++i) {
+          const __m512 x = _mm512_sub_ps(r, _mm512_set1_ps(k.shf_r[q0 + i]));
+          t[i] = _mm512_mul_ps(_mm512_set1_ps(k.eta_r[q0 + i]), x);
+          e[i] = _mm512_fnmadd_ps(t[i], x, zero);
+        }
+        simd::exp_n(e, e);
+        for (int i = 0; i < 8; ++i) {
+          const __m512 ge = _mm512_mul_ps(_mm512_set1_ps(g[q0 + i]), e[i]);
+          sum_e = _mm512_add_ps(sum_e, ge);
+          sum_et = _mm512_fmadd_ps(ge, t[i], sum_et);
+        }
       }
       const __m512 fc = _mm512_loadu_ps(nb.fc.data() + v), dfc = _mm512_loadu_ps(nb.dfc.data() + v);
       const __m512 d = _mm512_fmsub_ps(_mm512_mul_ps(quarter, dfc), sum_e,

@@ -147,27 +147,47 @@ TF_AVX2_INLINE void exp_parts(__m256 u, __m256& s, __m256& q) {
                     _mm256_cmp_ps(u, _mm256_set1_ps(kZeroBelow), _CMP_GE_OQ));
 }
 
-// exp_parts on 16 lanes: the same operations lane by lane, so the same bits.
+// exp_parts of N vectors, each step done for all N before the next (N
+// independent chains side by side, in program order, for the out-of-order
+// core): the same operations as exp_parts, lane by lane, so the same bits.
 // (GCC 12 warns that its own AVX-512 headers read an uninitialised value, the
 // `_mm512_undefined_*()` source of an unmasked operation; the masked forms
 // with every lane set below are the same instructions without the warning.)
-TF_AVX512_INLINE void exp_parts(__m512 u, __m512& s, __m512& q) {
+template <int N>
+TF_AVX512_INLINE void exp_parts_n(const __m512 (&u)[N], __m512 (&s)[N], __m512 (&q)[N]) {
   using namespace exp_log;
   const __mmask16 all = 0xFFFF;
-  const __m512 lo = _mm512_mask_max_ps(u, all, u, _mm512_set1_ps(kMin));
-  const __m512 uc = _mm512_mask_min_ps(lo, all, lo, _mm512_set1_ps(kMax));
+  __m512 n[N], r[N], p[N];
   const __m512 round = _mm512_set1_ps(kRound);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(uc, _mm512_set1_ps(kLog2e), round), round);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), uc));
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(kExpm1[0]), _mm512_set1_ps(kExpm1[1]));
-  for (int i = 2; i < 6; ++i) p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(kExpm1[i]));
-  q = _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r);
-  const __m512i ni = _mm512_mask_cvtps_epi32(_mm512_setzero_si512(), all, n);
-  const __m512i bits = _mm512_mask_slli_epi32(_mm512_setzero_si512(), all,
-                                              _mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
-  s = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, _mm512_set1_ps(kZeroBelow), _CMP_GE_OQ),
-                          _mm512_castsi512_ps(bits));
+  for (int i = 0; i < N; ++i) {
+    const __m512 lo = _mm512_mask_max_ps(u[i], all, u[i], _mm512_set1_ps(kMin));
+    r[i] = _mm512_mask_min_ps(lo, all, lo, _mm512_set1_ps(kMax));  // (uc of exp_parts)
+  }
+  for (int i = 0; i < N; ++i)
+    n[i] = _mm512_sub_ps(_mm512_fmadd_ps(r[i], _mm512_set1_ps(kLog2e), round), round);
+  for (int i = 0; i < N; ++i)
+    r[i] = _mm512_fnmadd_ps(n[i], _mm512_set1_ps(kLn2Lo),
+                            _mm512_fnmadd_ps(n[i], _mm512_set1_ps(kLn2Hi), r[i]));
+  for (int i = 0; i < N; ++i)
+    p[i] = _mm512_fmadd_ps(r[i], _mm512_set1_ps(kExpm1[0]), _mm512_set1_ps(kExpm1[1]));
+  for (int j = 2; j < 6; ++j)
+    for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(r[i], p[i], _mm512_set1_ps(kExpm1[j]));
+  for (int i = 0; i < N; ++i) {
+    q[i] = _mm512_fmadd_ps(_mm512_mul_ps(r[i], r[i]), p[i], r[i]);
+    const __m512i ni = _mm512_mask_cvtps_epi32(_mm512_setzero_si512(), all, n[i]);
+    const __m512i bits = _mm512_mask_slli_epi32(_mm512_setzero_si512(), all,
+                                                _mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
+    s[i] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u[i], _mm512_set1_ps(kZeroBelow), _CMP_GE_OQ),
+                               _mm512_castsi512_ps(bits));
+  }
+}
+
+// exp_parts on 16 lanes.
+TF_AVX512_INLINE void exp_parts(__m512 u, __m512& s, __m512& q) {
+  __m512 uv[1] = {u}, sv[1], qv[1];
+  exp_parts_n(uv, sv, qv);
+  s = sv[0];
+  q = qv[0];
 }
 
 // CELU with alpha = 0.1 (ANI's activation), lane by lane, and its derivative:
@@ -201,10 +221,20 @@ TF_AVX2_INLINE __m256 exp(__m256 u) {
   return _mm256_blendv_ps(_mm256_fmadd_ps(s, q, s), u, _mm256_cmp_ps(u, u, _CMP_UNORD_Q));
 }
 
+// exp of N vectors (out may be u): the 8-lane exp's operations, lane by lane.
+template <int N>
+TF_AVX512_INLINE void exp_n(const __m512 (&u)[N], __m512 (&out)[N]) {
+  __m512 s[N], q[N];
+  exp_parts_n(u, s, q);
+  for (int i = 0; i < N; ++i)
+    out[i] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u[i], u[i], _CMP_UNORD_Q),
+                                  _mm512_fmadd_ps(s[i], q[i], s[i]), u[i]);
+}
+
 TF_AVX512_INLINE __m512 exp(__m512 u) {
-  __m512 s, q;
-  exp_parts(u, s, q);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q), _mm512_fmadd_ps(s, q, s), u);
+  __m512 v[1] = {u};
+  exp_n(v, v);
+  return v[0];
 }
 
 // ln x for x > 0 (x = m 2^e, m in [sqrt(1/2), sqrt(2)), atanh series of m).
@@ -230,27 +260,42 @@ TF_AVX2_INLINE __m256 log(__m256 x) {
                          _mm256_fmadd_ps(ef, _mm256_set1_ps(exp_log::kLn2Lo), ln_m));
 }
 
-// log on 16 lanes: the same operations lane by lane, so the same bits.
-TF_AVX512_INLINE __m512 log(__m512 x) {
+// log of N vectors (out may be x), step by step across them as exp_n: the
+// same operations as the 8-lane log, lane by lane, so the same bits.
+template <int N>
+TF_AVX512_INLINE void log_n(const __m512 (&x)[N], __m512 (&out)[N]) {
   const __mmask16 all = 0xFFFF;
-  const __m512i xi = _mm512_castps_si512(x);
-  __m512i e = _mm512_sub_epi32(_mm512_maskz_srli_epi32(all, xi, 23), _mm512_set1_epi32(127));
-  __m512 m = _mm512_castsi512_ps(_mm512_or_si512(
-      _mm512_and_si512(xi, _mm512_set1_epi32(0x007fffff)), _mm512_set1_epi32(0x3f800000)));
-  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(exp_log::kSqrt2), _CMP_GT_OQ);
-  m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
-  e = _mm512_mask_add_epi32(e, big, e, _mm512_set1_epi32(1));
   const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 t = _mm512_div_ps(_mm512_sub_ps(m, one), _mm512_add_ps(m, one));
-  const __m512 t2 = _mm512_mul_ps(t, t);
+  __m512 m[N], t[N], t2[N], p[N];
+  __m512i e[N];
+  for (int i = 0; i < N; ++i) {
+    const __m512i xi = _mm512_castps_si512(x[i]);
+    e[i] = _mm512_sub_epi32(_mm512_maskz_srli_epi32(all, xi, 23), _mm512_set1_epi32(127));
+    m[i] = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_and_si512(xi, _mm512_set1_epi32(0x007fffff)), _mm512_set1_epi32(0x3f800000)));
+    const __mmask16 big = _mm512_cmp_ps_mask(m[i], _mm512_set1_ps(exp_log::kSqrt2), _CMP_GT_OQ);
+    m[i] = _mm512_mask_mul_ps(m[i], big, m[i], _mm512_set1_ps(0.5f));
+    e[i] = _mm512_mask_add_epi32(e[i], big, e[i], _mm512_set1_epi32(1));
+  }
+  for (int i = 0; i < N; ++i) t[i] = _mm512_div_ps(_mm512_sub_ps(m[i], one), _mm512_add_ps(m[i], one));
+  for (int i = 0; i < N; ++i) t2[i] = _mm512_mul_ps(t[i], t[i]);
   const float* a = exp_log::kAtanh;
-  __m512 p = _mm512_fmadd_ps(t2, _mm512_set1_ps(a[0]), _mm512_set1_ps(a[1]));
-  for (int i = 2; i < 5; ++i) p = _mm512_fmadd_ps(t2, p, _mm512_set1_ps(a[i]));
-  const __m512 twice_t = _mm512_add_ps(t, t);
-  const __m512 ln_m = _mm512_fmadd_ps(_mm512_mul_ps(twice_t, t2), p, twice_t);
-  const __m512 ef = _mm512_maskz_cvtepi32_ps(all, e);
-  return _mm512_fmadd_ps(ef, _mm512_set1_ps(exp_log::kLn2Hi),
-                         _mm512_fmadd_ps(ef, _mm512_set1_ps(exp_log::kLn2Lo), ln_m));
+  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(t2[i], _mm512_set1_ps(a[0]), _mm512_set1_ps(a[1]));
+  for (int j = 2; j < 5; ++j)
+    for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(t2[i], p[i], _mm512_set1_ps(a[j]));
+  for (int i = 0; i < N; ++i) {
+    const __m512 twice_t = _mm512_add_ps(t[i], t[i]);
+    const __m512 ln_m = _mm512_fmadd_ps(_mm512_mul_ps(twice_t, t2[i]), p[i], twice_t);
+    const __m512 ef = _mm512_maskz_cvtepi32_ps(all, e[i]);
+    out[i] = _mm512_fmadd_ps(ef, _mm512_set1_ps(exp_log::kLn2Hi),
+                             _mm512_fmadd_ps(ef, _mm512_set1_ps(exp_log::kLn2Lo), ln_m));
+  }
+}
+
+TF_AVX512_INLINE __m512 log(__m512 x) {
+  __m512 v[1] = {x};
+  log_n(v, v);
+  return v[0];
 }
 
 // sin(v) for |v| <= pi / 2: Taylor series to v^13 (truncation below 1e-9).

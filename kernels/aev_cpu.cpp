@@ -339,6 +339,8 @@ TF_AVX512_INLINE __m512 section_base(const Consts<float>& k, int s, __m512 c, __
   return _mm512_mul_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), cdev), _mm512_set1_ps(0.5f));
 }
 
+constexpr int kMaxShifts = 8;  // (A <= 8: vector_path)
+
 TF_AVX512_INLINE __m512 radial_arg(const Consts<float>& k, int64_t a, __m512 m, __m512& x) {
   x = _mm512_sub_ps(m, _mm512_set1_ps(k.shf_a[a]));
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_a[a]), x), x);
@@ -407,16 +409,27 @@ TF_AVX2 void block_forward(CentreScratch& w, const CentreScratch::Block& b,
   }
 }
 
+// The two halves of f at lo and hi (vectors of 8 triples).
+TF_AVX512_INLINE void store_halves(float* lo, float* hi, __m512 f) {
+  _mm256_storeu_ps(lo, _mm512_castps512_ps256(f));
+  _mm256_storeu_ps(hi, _mm512_extractf32x8_ps(f, 1));
+}
+
 // block_forward with its exp and log on 16 lanes (AVX-512: two vectors of 8
 // triples at a time) and its sums on 8, in block_forward's order: the same
-// bits. The block is padded to a multiple of 16 (list_triples).
+// bits. The block is padded to a multiple of 16 (list_triples). Its first
+// pass also keeps f2 of every triple and shift (all shifts' exps side by
+// side), which the passes over the shifts then read.
 template <int Z>
 TF_AVX512 void block_forward512(CentreScratch& w, const CentreScratch::Block& b,
                                 const Consts<float>& k, float* out) {
   constexpr int kShifts = 8 / Z;
   const int64_t A = k.A, vectors = (b.count + 7) / 8;
-  if (w.f1.size() < static_cast<size_t>((vectors + 1) * Z * 8)) w.f1.resize((vectors + 1) * Z * 8);
+  // f1 (vectors, Z, 8) as block_forward's, then f2 (vectors, kMaxShifts, 8)
+  const size_t size = static_cast<size_t>((vectors + 1) * (Z + kMaxShifts) * 8);
+  if (w.f1.size() < size) w.f1.resize(size);
   float* f1 = w.f1.data();
+  float* f2 = f1 + (vectors + 1) * Z * 8;
   for (int64_t v = 0; v < vectors; v += 2) {
     const int64_t t = b.begin + 8 * v;
     const __m512 c = load16(w.c, t), s = load16(w.sin_c, t);
@@ -426,32 +439,28 @@ TF_AVX512 void block_forward512(CentreScratch& w, const CentreScratch::Block& b,
     simd::log_n(base, p);
     for (int zi = 0; zi < Z; ++zi) p[zi] = _mm512_mul_ps(_mm512_set1_ps(k.zeta[zi]), p[zi]);
     simd::exp_n(p, p);
-    for (int zi = 0; zi < Z; ++zi) {
-      const __m512 f = _mm512_mul_ps(fcc2, p[zi]);
-      _mm256_storeu_ps(f1 + (v * Z + zi) * 8, _mm512_castps512_ps256(f));
-      _mm256_storeu_ps(f1 + ((v + 1) * Z + zi) * 8, _mm512_extractf32x8_ps(f, 1));
+    for (int zi = 0; zi < Z; ++zi)
+      store_halves(f1 + (v * Z + zi) * 8, f1 + ((v + 1) * Z + zi) * 8, _mm512_mul_ps(fcc2, p[zi]));
+    const __m512 m = load16(w.mean_r, t);
+    __m512 e[kMaxShifts];
+    for (int a = 0; a < kMaxShifts; ++a) {  // (past the last shift: the last again, unused)
+      __m512 x;
+      e[a] = radial_arg(k, std::min<int64_t>(a, A - 1), m, x);
     }
+    simd::exp_n(e, e);
+    for (int64_t a = 0; a < A; ++a)
+      store_halves(f2 + (v * kMaxShifts + a) * 8, f2 + ((v + 1) * kMaxShifts + a) * 8, e[a]);
   }
   for (int64_t a0 = 0; a0 < A; a0 += kShifts) {
     __m256 acc[8];
     for (auto& x : acc) x = _mm256_setzero_ps();
-    for (int64_t v = 0; v < vectors; v += 2) {
-      const __m512 m = load16(w.mean_r, b.begin + 8 * v);
-      __m512 f2[kShifts];
-      for (int i = 0; i < kShifts; ++i) {  // (past the last shift: the last again, unused)
-        __m512 x;
-        f2[i] = radial_arg(k, std::min<int64_t>(a0 + i, A - 1), m, x);
-      }
-      simd::exp_n(f2, f2);
-      for (int i = 0; i < kShifts; ++i)
-        if (a0 + i >= A) f2[i] = _mm512_setzero_ps();
-      for (int64_t h = 0; h < 2 && v + h < vectors; ++h) {
-        for (int zi = 0; zi < Z; ++zi) {
-          const __m256 f = _mm256_loadu_ps(f1 + ((v + h) * Z + zi) * 8);
-          for (int i = 0; i < kShifts; ++i) {
-            const __m256 f2h = h == 0 ? _mm512_castps512_ps256(f2[i]) : _mm512_extractf32x8_ps(f2[i], 1);
-            acc[i * Z + zi] = _mm256_fmadd_ps(f2h, f, acc[i * Z + zi]);
-          }
+    for (int64_t v = 0; v < vectors; ++v) {
+      for (int zi = 0; zi < Z; ++zi) {
+        const __m256 f = _mm256_loadu_ps(f1 + (v * Z + zi) * 8);
+        for (int i = 0; i < kShifts; ++i) {
+          const __m256 f2v = a0 + i < A ? _mm256_loadu_ps(f2 + (v * kMaxShifts + a0 + i) * 8)
+                                        : _mm256_setzero_ps();
+          acc[i * Z + zi] = _mm256_fmadd_ps(f2v, f, acc[i * Z + zi]);
         }
       }
     }
@@ -528,20 +537,17 @@ TF_AVX512 void block_backward512(CentreScratch& w, const CentreScratch::Block& b
     const __m512 m = load16(w.mean_r, t);
     __m512 g2[Z], gd2[Z];
     for (int zi = 0; zi < Z; ++zi) g2[zi] = gd2[zi] = _mm512_setzero_ps();
-    for (int64_t a0 = 0; a0 < A; a0 += 4) {
-      __m512 x[4], u[4], f2[4];
-      for (int i = 0; i < 4; ++i)  // (past the last shift: the last again, unused)
-        u[i] = radial_arg(k, std::min<int64_t>(a0 + i, A - 1), m, x[i]);
-      simd::exp_n(u, f2);
-      for (int i = 0; i < 4 && a0 + i < A; ++i) {
-        const int64_t a = a0 + i;
-        const __m512 neg_eta = _mm512_set1_ps(-k.eta_a[a]);
-        const __m512 df2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(neg_eta, neg_eta), x[i]), f2[i]);
-        for (int zi = 0; zi < Z; ++zi) {
-          const __m512 gz = _mm512_set1_ps(g[a * Z + zi]);
-          g2[zi] = _mm512_fmadd_ps(gz, f2[i], g2[zi]);
-          gd2[zi] = _mm512_fmadd_ps(gz, df2, gd2[zi]);
-        }
+    __m512 x[kMaxShifts], f2[kMaxShifts];
+    for (int a = 0; a < kMaxShifts; ++a)  // (past the last shift: the last again, unused)
+      f2[a] = radial_arg(k, std::min<int64_t>(a, A - 1), m, x[a]);
+    simd::exp_n(f2, f2);
+    for (int64_t a = 0; a < A; ++a) {
+      const __m512 neg_eta = _mm512_set1_ps(-k.eta_a[a]);
+      const __m512 df2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(neg_eta, neg_eta), x[a]), f2[a]);
+      for (int zi = 0; zi < Z; ++zi) {
+        const __m512 gz = _mm512_set1_ps(g[a * Z + zi]);
+        g2[zi] = _mm512_fmadd_ps(gz, f2[a], g2[zi]);
+        gd2[zi] = _mm512_fmadd_ps(gz, df2, gd2[zi]);
       }
     }
     const __m512 c = load16(w.c, t), s = load16(w.sin_c, t);
@@ -809,12 +815,32 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
 }
 
 // wide: the radial and angular terms on 16 lanes (AVX-512), the same bits.
+// Prefetch the parts of atom i's AEV gradient row that its backward reads:
+// the radial block of each species among its neighbours, and the angular
+// block of each pair of them (the row comes from the networks' backward,
+// mostly out of the caches: read cold, these lines kept the backward waiting).
+inline void prefetch_grad_row(const HalfEdges& h, int64_t i, const Consts<float>& k,
+                              const float* grow) {
+  const int64_t* seg = h.seg.data() + i * k.S;
+  const auto lines = [](const float* p, int64_t n) {
+    for (int64_t b = 0; b < n; b += 16) _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
+  };
+  for (int64_t s1 = 0; s1 < k.S; ++s1) {
+    if (seg[s1 + 1] == seg[s1]) continue;
+    lines(grow + s1 * k.R, k.R);
+    for (int64_t s2 = s1; s2 < k.S; ++s2)
+      if (seg[s2 + 1] > seg[s2]) lines(grow + k.radial_len + k.pair_index(s1, s2) * k.A * k.Z, k.A * k.Z);
+  }
+}
+
 TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                  const HalfEdges& h, const Consts<float>& k,
                                  const float* grad_aev, float* grad_edge, bool wide) {
   CentreScratch w;
   const AngularConsts ac(k);
+  if (begin < end) prefetch_grad_row(h, begin, k, grad_aev + begin * k.F);
   for (int64_t i = begin; i < end; ++i) {
+    if (i + 1 < end) prefetch_grad_row(h, i + 1, k, grad_aev + (i + 1) * k.F);
     if (species[i] < 0) continue;
     const float* grow = grad_aev + i * k.F;
     sorted_neighbors(h, i, k, true, w);

@@ -84,8 +84,8 @@ inline void add_triple_grad(const Neighbor<scalar_t>& n1, const Neighbor<scalar_
 // 8 shifts per vector. Angular terms: 8 triples per vector. An atom's
 // neighbours come sorted by species (stably: build_half_edges), so that the
 // triples of one species pair, which all add to the same AEV block, can be
-// listed together;
-// each block's list is padded to whole vectors with triples that add zero.
+// listed together; each block's list is padded to whole vectors with triples
+// that add zero.
 // The forward then keeps one accumulator vector per term of the block, and the
 // backward reads the block's gradient as broadcasts. Per atom, the work and its
 // order are fixed by the input, so results do not depend on the thread count.

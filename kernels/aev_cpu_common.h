@@ -86,7 +86,7 @@ HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int6
   h.vectors = vectors;
   const int64_t S = h.S = num_species, NS = num_atoms * S;
   const scalar_t cutoff_sq = static_cast<scalar_t>(cutoff * cutoff);
-  // (the per-chunk counts stay below 2^24 entries: 128 MB)
+  // (more chunks than one only while their counts take at most 2^24 entries, 128 MB)
   const int64_t chunks = std::max<int64_t>(
       1, std::min({static_cast<int64_t>(at::get_num_threads()), num_pairs / 16384,
                    (int64_t{1} << 24) / std::max<int64_t>(1, NS)}));

@@ -298,9 +298,10 @@ def test_reused_output_memory_never_overwrites_a_held_tensor():
 
 def test_chunked_half_edges_same_bits_for_any_thread_count():
     """Above 16 384 pairs the CPU AEV ops build their half edges in parallel
-    chunks of pairs (kernels/aev_cpu_common.h), each atom's half edges still in
-    pair order: the AEV, its gradient and the second-derivative product give
-    the same bits with 1 and 2 threads (1 thread: one chunk, the serial order).
+    chunks of pairs (kernels/aev_cpu_common.h), each atom's half edges still by
+    neighbour species, each species in pair order: the AEV, its gradient and
+    the second-derivative product give the same bits with 1 and 2 threads (1
+    thread: one chunk, the serial order).
     A pair that indexes no atom is reported, the first one of all."""
     ref = reference_model("ANI2x", torch.float64)
     species, coords, _, _ = atoms_to_tensors(read_molecule("1hz5.xyz"), torch.float64)

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -814,7 +815,13 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
   }
 }
 
-// wide: the radial and angular terms on 16 lanes (AVX-512), the same bits.
+// Prefetch the cache lines of the bytes [p, p + bytes) into L1.
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
+  for (uintptr_t a = first; a < end; a += 64) _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+}
+
 // Prefetch the parts of atom i's AEV gradient row that its backward reads:
 // the radial block of each species among its neighbours, and the angular
 // block of each pair of them (the row comes from the networks' backward,
@@ -822,17 +829,17 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
 inline void prefetch_grad_row(const HalfEdges& h, int64_t i, const Consts<float>& k,
                               const float* grow) {
   const int64_t* seg = h.seg.data() + i * k.S;
-  const auto lines = [](const float* p, int64_t n) {
-    for (int64_t b = 0; b < n; b += 16) _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
-  };
+  const int64_t block = k.A * k.Z;
   for (int64_t s1 = 0; s1 < k.S; ++s1) {
     if (seg[s1 + 1] == seg[s1]) continue;
-    lines(grow + s1 * k.R, k.R);
+    prefetch_lines(grow + s1 * k.R, 4 * k.R);
     for (int64_t s2 = s1; s2 < k.S; ++s2)
-      if (seg[s2 + 1] > seg[s2]) lines(grow + k.radial_len + k.pair_index(s1, s2) * k.A * k.Z, k.A * k.Z);
+      if (seg[s2 + 1] > seg[s2])
+        prefetch_lines(grow + k.radial_len + k.pair_index(s1, s2) * block, 4 * block);
   }
 }
 
+// wide: the radial and angular terms on 16 lanes (AVX-512), the same bits.
 TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* species,
                                  const HalfEdges& h, const Consts<float>& k,
                                  const float* grad_aev, float* grad_edge, bool wide) {

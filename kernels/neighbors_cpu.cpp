@@ -263,8 +263,12 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
             if (!neighbors::offset_bin(mol.axis.data(), own, d, bin, img)) continue;
             double t[3];
             neighbors::image_translation(img, C, t);
-            const BinScan scan{i, mol.bin_start[bin], mol.bin_start[bin + 1], &wrapped[3 * i], t,
-                               img, cutoff_sq};
+            // A bin lists its atoms in increasing order, and atom i owns no
+            // pair with an atom j < i (owns_pair): its scan starts at j >= i.
+            const int64_t* first = mol.bin_atoms.data() + mol.bin_start[bin];
+            const int64_t* last = mol.bin_atoms.data() + mol.bin_start[bin + 1];
+            const int64_t q0 = std::lower_bound(first, last, i) - mol.bin_atoms.data();
+            const BinScan scan{i, q0, mol.bin_start[bin + 1], &wrapped[3 * i], t, img, cutoff_sq};
             count[i] += scan_fn(scan, mol, shift.data(), mine);
           }
     }

@@ -331,20 +331,37 @@ TF_AVX2_INLINE __m256 radial_factor(const AngularConsts& ac, int64_t a, __m256 m
   return simd::exp(_mm256_mul_ps(_mm256_mul_ps(ac.neg_eta[a], x), x));
 }
 
-// section_base on 16 lanes (the constants broadcast from k), and
-// radial_factor's exp argument -eta_a (mean_r - shf_a)^2 (its exp: exp_n, on
-// several shifts at once): the same operations, so the same bits.
+// section_base and radial_factor on 16 lanes (the constants broadcast from
+// k), for all sections or shifts of 16 triples at once, their exps and logs
+// side by side (simd::exp_n, log_n): the same operations, so the same bits.
 TF_AVX512_INLINE __m512 section_base(const Consts<float>& k, int s, __m512 c, __m512 sin_c) {
   const __m512 cdev = _mm512_fmadd_ps(c, _mm512_set1_ps(k.cos_z[s]),
                                       _mm512_mul_ps(sin_c, _mm512_set1_ps(k.sin_z[s])));
   return _mm512_mul_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), cdev), _mm512_set1_ps(0.5f));
 }
 
+// base[z] = section_base, p[z] = base[z]^(zeta_z - dz).
+template <int Z>
+TF_AVX512_INLINE void section_powers(const Consts<float>& k, __m512 c, __m512 sin_c, float dz,
+                                     __m512 (&base)[Z], __m512 (&p)[Z]) {
+  for (int zi = 0; zi < Z; ++zi) base[zi] = section_base(k, zi, c, sin_c);
+  simd::log_n(base, p);
+  for (int zi = 0; zi < Z; ++zi) p[zi] = _mm512_mul_ps(_mm512_set1_ps(k.zeta[zi] - dz), p[zi]);
+  simd::exp_n(p, p);
+}
+
 constexpr int kMaxShifts = 8;  // (A <= 8: vector_path)
 
-TF_AVX512_INLINE __m512 radial_arg(const Consts<float>& k, int64_t a, __m512 m, __m512& x) {
-  x = _mm512_sub_ps(m, _mm512_set1_ps(k.shf_a[a]));
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_a[a]), x), x);
+// f2[a] = radial_factor of every shift a < A, with x[a] = mean_r - shf_a
+// (up to kMaxShifts: the last shift again, unused).
+TF_AVX512_INLINE void radial_factors(const Consts<float>& k, __m512 m, __m512 (&x)[kMaxShifts],
+                                     __m512 (&f2)[kMaxShifts]) {
+  for (int a = 0; a < kMaxShifts; ++a) {
+    const int64_t s = std::min<int64_t>(a, k.A - 1);
+    x[a] = _mm512_sub_ps(m, _mm512_set1_ps(k.shf_a[s]));
+    f2[a] = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_a[s]), x[a]), x[a]);
+  }
+  simd::exp_n(f2, f2);
 }
 
 // The 8 horizontal sums of v[0..8), in order.
@@ -436,19 +453,11 @@ TF_AVX512 void block_forward512(CentreScratch& w, const CentreScratch::Block& b,
     const __m512 c = load16(w.c, t), s = load16(w.sin_c, t);
     const __m512 fcc2 = _mm512_mul_ps(_mm512_set1_ps(2.0f), load16(w.fcc, t));
     __m512 base[Z], p[Z];
-    for (int zi = 0; zi < Z; ++zi) base[zi] = section_base(k, zi, c, s);
-    simd::log_n(base, p);
-    for (int zi = 0; zi < Z; ++zi) p[zi] = _mm512_mul_ps(_mm512_set1_ps(k.zeta[zi]), p[zi]);
-    simd::exp_n(p, p);
+    section_powers(k, c, s, 0.0f, base, p);
     for (int zi = 0; zi < Z; ++zi)
       store_halves(f1 + (v * Z + zi) * 8, f1 + ((v + 1) * Z + zi) * 8, _mm512_mul_ps(fcc2, p[zi]));
-    const __m512 m = load16(w.mean_r, t);
-    __m512 e[kMaxShifts];
-    for (int a = 0; a < kMaxShifts; ++a) {  // (past the last shift: the last again, unused)
-      __m512 x;
-      e[a] = radial_arg(k, std::min<int64_t>(a, A - 1), m, x);
-    }
-    simd::exp_n(e, e);
+    __m512 x[kMaxShifts], e[kMaxShifts];
+    radial_factors(k, load16(w.mean_r, t), x, e);
     for (int64_t a = 0; a < A; ++a)
       store_halves(f2 + (v * kMaxShifts + a) * 8, f2 + ((v + 1) * kMaxShifts + a) * 8, e[a]);
   }
@@ -539,9 +548,7 @@ TF_AVX512 void block_backward512(CentreScratch& w, const CentreScratch::Block& b
     __m512 g2[Z], gd2[Z];
     for (int zi = 0; zi < Z; ++zi) g2[zi] = gd2[zi] = _mm512_setzero_ps();
     __m512 x[kMaxShifts], f2[kMaxShifts];
-    for (int a = 0; a < kMaxShifts; ++a)  // (past the last shift: the last again, unused)
-      f2[a] = radial_arg(k, std::min<int64_t>(a, A - 1), m, x[a]);
-    simd::exp_n(f2, f2);
+    radial_factors(k, m, x, f2);
     for (int64_t a = 0; a < A; ++a) {
       const __m512 neg_eta = _mm512_set1_ps(-k.eta_a[a]);
       const __m512 df2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(neg_eta, neg_eta), x[a]), f2[a]);
@@ -554,11 +561,8 @@ TF_AVX512 void block_backward512(CentreScratch& w, const CentreScratch::Block& b
     const __m512 c = load16(w.c, t), s = load16(w.sin_c, t);
     const __m512 c_over_s = _mm512_div_ps(c, s);
     __m512 s_val = _mm512_setzero_ps(), s_dc = _mm512_setzero_ps(), s_dm = _mm512_setzero_ps();
-    __m512 base[Z], p[Z];
-    for (int zi = 0; zi < Z; ++zi) base[zi] = section_base(k, zi, c, s);
-    simd::log_n(base, p);
-    for (int zi = 0; zi < Z; ++zi) p[zi] = _mm512_mul_ps(_mm512_set1_ps(k.zeta[zi] - 1.0f), p[zi]);
-    simd::exp_n(p, p);
+    __m512 base[Z], p[Z];  // p = base^(zeta - 1): f1 = 2 p base
+    section_powers(k, c, s, 1.0f, base, p);
     for (int zi = 0; zi < Z; ++zi) {
       const __m512 cos_z = _mm512_set1_ps(k.cos_z[zi]), sin_z = _mm512_set1_ps(k.sin_z[zi]);
       const __m512 f1 = _mm512_mul_ps(_mm512_mul_ps(two, p[zi]), base[zi]);

@@ -51,7 +51,6 @@ using UninitVector = std::vector<T, UninitAllocator<T>>;
 // Half edges grouped by their owning atom (compressed sparse rows), and inside
 // each atom by the neighbour's species.
 struct HalfEdges {
-  int64_t S = 0;                 // number of species
   bool vectors = false;          // vec (and no pair, other) written
   std::vector<int64_t> start;    // (N+1,) first half edge of each atom
   std::vector<int64_t> seg;      // (N*S+1,) first half edge of each (atom, neighbour species)
@@ -84,7 +83,7 @@ HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int6
   TORCH_INTERNAL_ASSERT(!vectors || (std::is_same_v<scalar_t, float>));
   HalfEdges h;
   h.vectors = vectors;
-  const int64_t S = h.S = num_species, NS = num_atoms * S;
+  const int64_t S = num_species, NS = num_atoms * S;
   const scalar_t cutoff_sq = static_cast<scalar_t>(cutoff * cutoff);
   // (more chunks than one only while their counts take at most 2^24 entries, 128 MB)
   const int64_t chunks = std::max<int64_t>(

@@ -231,11 +231,6 @@ TF_AVX512_INLINE void exp_n(const __m512 (&u)[N], __m512 (&out)[N]) {
                                   _mm512_fmadd_ps(s[i], q[i], s[i]), u[i]);
 }
 
-TF_AVX512_INLINE __m512 exp(__m512 u) {
-  __m512 v[1] = {u};
-  exp_n(v, v);
-  return v[0];
-}
 
 // ln x for x > 0 (x = m 2^e, m in [sqrt(1/2), sqrt(2)), atanh series of m).
 // x = 0 gives -88 (so exp(y log x) is 0 for y >= 1), not -inf.
@@ -290,12 +285,6 @@ TF_AVX512_INLINE void log_n(const __m512 (&x)[N], __m512 (&out)[N]) {
     out[i] = _mm512_fmadd_ps(ef, _mm512_set1_ps(exp_log::kLn2Hi),
                              _mm512_fmadd_ps(ef, _mm512_set1_ps(exp_log::kLn2Lo), ln_m));
   }
-}
-
-TF_AVX512_INLINE __m512 log(__m512 x) {
-  __m512 v[1] = {x};
-  log_n(v, v);
-  return v[0];
 }
 
 // sin(v) for |v| <= pi / 2: Taylor series to v^13 (truncation below 1e-9).

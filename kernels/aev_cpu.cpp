@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -1028,6 +1030,73 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
   });
 }
 
+
+// The forward's half edges, kept for the backward of the same inputs, which
+// then does not build them again (for 3 000 waters that build was 0.5-0.8 ms
+// of a 32 ms energy + forces call at 2 threads). One entry, kept only when
+// the vectors require grad, and taken (freed) by the backward. The inputs
+// match when they are the same tensors at the same version, data pointer,
+// sizes and strides, with the same cutoff and species count. A tensor is
+// referenced weakly, which keeps its TensorImpl's address from being reused
+// (as PyTorch's profiler tracks tensors), so a new tensor cannot match a
+// freed one. Autograd's own saved-tensor check relies on the same version
+// counters.
+class EdgeCache {
+ public:
+  void put(const at::Tensor& species, const at::Tensor& pairs, const at::Tensor& diff,
+           const AEVParams& p, std::shared_ptr<const HalfEdges> h) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ids_.clear();
+    edges_.reset();
+    if (species.is_inference() || pairs.is_inference() || diff.is_inference()) return;
+    ids_ = {Id(species), Id(pairs), Id(diff)};
+    cutoff_ = p.radial_cutoff;
+    num_species_ = p.num_species;
+    edges_ = std::move(h);
+  }
+
+  // The half edges of these inputs, in the layout `vectors`, if they are cached
+  // (and then no longer), else null.
+  std::shared_ptr<const HalfEdges> take(const at::Tensor& species, const at::Tensor& pairs,
+                                        const at::Tensor& diff, const AEVParams& p,
+                                        bool vectors) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!edges_ || !ids_[0].same(species) || !ids_[1].same(pairs) || !ids_[2].same(diff) ||
+        cutoff_ != p.radial_cutoff || num_species_ != p.num_species ||
+        edges_->vectors != vectors)
+      return nullptr;
+    ids_.clear();
+    return std::move(edges_);
+  }
+
+ private:
+  struct Id {
+    c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+    int64_t version;
+    const void* data;
+    std::vector<int64_t> sizes, strides;
+
+    explicit Id(const at::Tensor& t)
+        : impl(t.getIntrusivePtr()), version(t._version()), data(t.data_ptr()),
+          sizes(t.sizes().vec()), strides(t.strides().vec()) {}
+    bool same(const at::Tensor& t) const {
+      return impl._unsafe_get_target() == t.unsafeGetTensorImpl() && !t.is_inference() &&
+             t._version() == version && t.data_ptr() == data && t.sizes().equals(sizes) &&
+             t.strides().equals(strides);
+    }
+  };
+  std::mutex mutex_;
+  std::vector<Id> ids_;  // species, pairs, diff; empty when nothing is cached
+  double cutoff_ = 0;
+  int64_t num_species_ = 0;
+  std::shared_ptr<const HalfEdges> edges_;
+};
+
+EdgeCache& edge_cache() {
+  static EdgeCache cache;
+  return cache;
+}
+
 }  // namespace
 
 void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tensor& pairs,
@@ -1067,9 +1136,11 @@ at::Tensor aev_forward_cpu(const at::Tensor& species, const at::Tensor& pairs,
   auto aev = cache.empty(aev_shape(species, p), in.diff.options());  // every row written by the kernel
   AT_DISPATCH_FLOATING_TYPES(in.diff.scalar_type(), "aev_forward_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = in.half_edges<scalar_t>(p, vector_kernels(k));
-    forward_kernel(in.species.data_ptr<int64_t>(), in.diff.data_ptr<scalar_t>(), h, k, in.N,
+    auto h = std::make_shared<const HalfEdges>(in.half_edges<scalar_t>(p, vector_kernels(k)));
+    forward_kernel(in.species.data_ptr<int64_t>(), in.diff.data_ptr<scalar_t>(), *h, k, in.N,
                    aev.data_ptr<scalar_t>());
+    if (diff_vectors.requires_grad())
+      edge_cache().put(species, pairs, diff_vectors, p, std::move(h));
   });
   return aev;
 }
@@ -1084,7 +1155,10 @@ at::Tensor aev_backward_cpu(const at::Tensor& grad_aev, const at::Tensor& specie
   auto grad_diff = at::empty({in.P, 3}, in.diff.options());  // every row written by edges_to_pairs
   AT_DISPATCH_FLOATING_TYPES(in.diff.scalar_type(), "aev_backward_cpu", [&] {
     Consts<scalar_t> k(p);
-    auto h = in.half_edges<scalar_t>(p, vector_kernels(k));
+    const auto cached = edge_cache().take(species, pairs, diff_vectors, p, vector_kernels(k));
+    HalfEdges built;
+    if (!cached) built = in.half_edges<scalar_t>(p, vector_kernels(k));
+    const HalfEdges& h = cached ? *cached : built;
     UninitVector<scalar_t> grad_edge(3 * h.start[in.N]);  // zeroed by backward_kernel
     backward_kernel(in.species.data_ptr<int64_t>(), in.diff.data_ptr<scalar_t>(), h, k, in.N,
                     g.data_ptr<scalar_t>(), grad_edge.data());

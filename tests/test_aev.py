@@ -338,3 +338,46 @@ def test_chunked_half_edges_same_bits_for_any_thread_count():
     with pytest.raises(RuntimeError, match=f"pairs must index the {elem.numel()} flattened atoms, "
                                            f"got pair {first_bad} = \\({elem.numel() + 7}, "):
         ops.aev(elem, bad, diff, *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_backward_reuses_forward_half_edges_only_for_the_same_inputs(dtype):
+    """The CPU forward keeps its half edges (when the vectors require grad) for
+    the backward of the same tensors (kernels/aev_cpu.cpp, EdgeCache). The
+    backward must then give the same bits as one that builds them anew, and
+    must build them anew for other tensors, for the same tensor changed in
+    place, and for another radial cutoff: a stale entry would read the old
+    vectors or drop other pairs."""
+    ref = reference_model("ANI2x", torch.float64)
+    species, coords, _, _ = atoms_to_tensors(read_molecule("3o99_ligand.xyz"), dtype)
+    elem = ref.species_converter(species)
+    pairs, _ = ops.neighbor_pairs(elem, coords, None, None, 5.2, False)
+    flat = coords.view(-1, 3)
+    args = aev_args(ref.potentials["nnp"].aev_computer, dtype)
+    weights = torch.sin(torch.arange(elem.numel() * 1008, dtype=dtype)).view(1, -1, 1008)
+
+    def fresh(diff, *a):  # new tensors: nothing cached matches them
+        return ops.aev_backward(weights, elem.clone(), pairs.clone(), diff.detach().clone(),
+                                *(a or args))
+
+    diff = (flat[pairs[0]] - flat[pairs[1]]).requires_grad_(True)
+    # Through autograd: the forward's half edges.
+    (got,) = torch.autograd.grad(ops.aev(elem, pairs, diff, *args), diff, weights)
+    assert torch.equal(got, fresh(diff))
+    # The forward of other vectors in between: built again for the first ones.
+    other = (diff.detach() * 1.01).requires_grad_(True)
+    aev = ops.aev(elem, pairs, diff, *args)
+    ops.aev(elem, pairs, other, *args)
+    (got,) = torch.autograd.grad(aev, diff, weights)
+    assert torch.equal(got, fresh(diff))
+    # The same tensor, changed in place after the forward (pairs drop out of
+    # the cutoff): the backward op called on it directly reads the new vectors.
+    ops.aev(elem, pairs, diff, *args)
+    with torch.no_grad():
+        diff.mul_(1.2)
+    assert torch.equal(ops.aev_backward(weights, elem, pairs, diff, *args), fresh(diff))
+    # Another radial cutoff for the same tensors.
+    shorter = args[:6] + [4.0, 3.5, args[8]]
+    ops.aev(elem, pairs, diff, *args)
+    assert torch.equal(ops.aev_backward(weights, elem, pairs, diff, *shorter), fresh(diff, *shorter))
+    assert not torch.equal(fresh(diff, *shorter), fresh(diff))

@@ -249,9 +249,25 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
   if (simd::have_avx2()) scan_fn = simd::have_avx512() ? scan_bin_avx512 : scan_bin_avx2;
 #endif
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    // A bin lists its atoms in increasing order, and atom i owns no pair with
+    // an atom j < i (owns_pair): its scan of a bin starts at the bin's first
+    // atom j >= i. As i only grows here, that start only moves forward: kept
+    // per bin of the current molecule (first_ge), found by binary search on
+    // the bin's first visit (epoch_of[bin] != epoch), then advanced.
+    std::vector<int64_t> first_ge, epoch_of;
+    int64_t epoch = 0, current = -1;
     for (int64_t i = chunk_begin * chunk; i < std::min(N, chunk_end * chunk); ++i) {
       if (species[i] < 0) continue;
       const MoleculeBins& mol = mols[i / A];
+      if (i / A != current) {
+        current = i / A;
+        ++epoch;
+        const size_t nbins = mol.bin_start.size() - 1;
+        if (first_ge.size() < nbins) {
+          first_ge.resize(nbins);
+          epoch_of.resize(nbins, 0);
+        }
+      }
       int64_t own[3];
       neighbors::split_bin(bin_of[i], mol.axis.data(), own);
       auto& mine = found[i / chunk];
@@ -263,12 +279,16 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
             if (!neighbors::offset_bin(mol.axis.data(), own, d, bin, img)) continue;
             double t[3];
             neighbors::image_translation(img, C, t);
-            // A bin lists its atoms in increasing order, and atom i owns no
-            // pair with an atom j < i (owns_pair): its scan starts at j >= i.
-            const int64_t* first = mol.bin_atoms.data() + mol.bin_start[bin];
-            const int64_t* last = mol.bin_atoms.data() + mol.bin_start[bin + 1];
-            const int64_t q0 = std::lower_bound(first, last, i) - mol.bin_atoms.data();
-            const BinScan scan{i, q0, mol.bin_start[bin + 1], &wrapped[3 * i], t, img, cutoff_sq};
+            const int64_t end = mol.bin_start[bin + 1];
+            int64_t& q0 = first_ge[bin];
+            if (epoch_of[bin] != epoch) {
+              epoch_of[bin] = epoch;
+              const int64_t* atoms = mol.bin_atoms.data();
+              q0 = std::lower_bound(atoms + mol.bin_start[bin], atoms + end, i) - atoms;
+            } else {
+              while (q0 < end && mol.bin_atoms[q0] < i) ++q0;
+            }
+            const BinScan scan{i, q0, end, &wrapped[3 * i], t, img, cutoff_sq};
             count[i] += scan_fn(scan, mol, shift.data(), mine);
           }
     }

@@ -193,6 +193,28 @@ def test_nonperiodic_large_uses_bins():
     check_all(species, coords)
 
 
+def test_batch_of_binned_molecules_any_thread_count():
+    """Cell lists for a batch whose chunks of atoms (kernels/neighbors_cpu.cpp,
+    about N / (2 threads), 64-256 atoms) straddle molecules, with padding
+    inside: the scan of each bin starts at its first atom j >= i, kept per bin
+    of the current molecule as i grows, so a start carried over from another
+    molecule or a skipped padding atom would lose or add pairs."""
+    rng = np.random.default_rng(12)
+    M, A = 3, 300
+    species = torch.as_tensor(rng.integers(0, 4, size=(M, A)))
+    coords = torch.as_tensor(rng.uniform(0, 16, size=(M, A, 3)))
+    species[0, 150:170] = -1
+    species[1, ::7] = -1
+    coords[2] = coords[0] + 0.2  # the same bins as molecule 0: nothing carried over
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            check_all(species, coords, torchani_too=False)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_nonperiodic_degenerate_extents():
     # All atoms on a plane, on a line, a single atom, an empty molecule.
     species = torch.zeros(4, 30, dtype=torch.long)

@@ -531,12 +531,30 @@ at::Tensor pair_vectors_backward_cpu(const at::Tensor& grad, const at::Tensor& p
   AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "pair_vectors_backward_cpu", [&] {
     const scalar_t* gp = g.data_ptr<scalar_t>();
     scalar_t* out = grad_coords.data_ptr<scalar_t>();
-    // Serial: each atom's sum is taken in pair order, the same for any number of threads.
-    for (int64_t p = 0; p < P; ++p)
-      for (int c = 0; c < 3; ++c) {
-        out[3 * first[p] + c] += gp[3 * p + c];
-        out[3 * second[p] + c] -= gp[3 * p + c];
+    // Serial: each atom's sum is taken in pair order, the same for any number
+    // of threads. The first atom's sum stays in registers while consecutive
+    // pairs share it (a neighbour list lists an atom's pairs together), which
+    // takes the store-to-load chain through memory out of the loop; the order
+    // of every atom's additions is unchanged, so are the bits.
+    int64_t cur = -1;
+    scalar_t acc[3] = {0, 0, 0};
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t a = first[p], b = second[p];
+      if (a != cur) {
+        if (cur >= 0)
+          for (int c = 0; c < 3; ++c) out[3 * cur + c] = acc[c];
+        cur = a;
+        for (int c = 0; c < 3; ++c) acc[c] = out[3 * a + c];
       }
+      for (int c = 0; c < 3; ++c) acc[c] += gp[3 * p + c];
+      if (b == cur) {  // an atom paired with its own periodic image
+        for (int c = 0; c < 3; ++c) acc[c] -= gp[3 * p + c];
+      } else {
+        for (int c = 0; c < 3; ++c) out[3 * b + c] -= gp[3 * p + c];
+      }
+    }
+    if (cur >= 0)
+      for (int c = 0; c < 3; ++c) out[3 * cur + c] = acc[c];
   });
   return grad_coords;
 }

@@ -426,6 +426,29 @@ def test_pair_vectors_match_aten_and_differentiate(periodic):
     assert torch.autograd.gradgradcheck(both, inputs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pair_vectors_backward_sums_in_pair_order(dtype):
+    """pair_vectors_backward adds each pair's gradient to its first atom and
+    subtracts it from its second, every atom's terms in pair order (the same
+    bits for any thread count): equal to that sequence written out, for a cell
+    smaller than the cutoff (atoms paired with their own images), the pairs in
+    the search's order (an atom's pairs together), shuffled and swapped."""
+    rng = np.random.default_rng(13)
+    cell = [[3.2, 0, 0], [0.6, 3.0, 0], [0.3, -0.4, 3.4]]
+    species, coords, cell = random_box(rng, 12, cell, dtype)
+    pairs, _ = ops.neighbor_pairs(species, coords, cell, ALL, CUTOFF, True)
+    assert int((pairs[0] == pairs[1]).sum()) > 0
+    n = coords.shape[1]
+    grad = torch.as_tensor(rng.normal(size=(pairs.shape[1], 3)), dtype=dtype)
+    order = torch.as_tensor(rng.permutation(pairs.shape[1]))
+    for p, g in ((pairs, grad), (pairs[:, order], grad[order]), (pairs.flip(0), grad)):
+        expected = torch.zeros(n, 3, dtype=dtype)
+        for k in range(p.shape[1]):
+            expected[p[0, k]] += g[k]
+            expected[p[1, k]] -= g[k]
+        assert torch.equal(torch.ops.torchani_fast.pair_vectors_backward(g, p, n), expected)
+
+
 def test_pair_vectors_opcheck_and_errors():
     for periodic in (False, True):
         x, pairs, images, cell = pair_vector_case(torch.float64, periodic)

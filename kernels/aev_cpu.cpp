@@ -217,6 +217,88 @@ TF_AVX2 void sorted_neighbors(const HalfEdges& h, int64_t i, const Consts<float>
   ang.cutoffs(k.rc_a, backward);
 }
 
+// The half-edge vectors e .. e + 3 (x, y, z, 0 each), of which only the first
+// `left` exist (the others read as zeros).
+TF_AVX512_INLINE __m512 four_vectors(const float* v, int64_t e, int64_t left) {
+  const int64_t m = std::clamp<int64_t>(left, 0, 4);
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (4 * m)) - 1), v + 4 * e);
+}
+
+// sorted_neighbors on 16 lanes (AVX-512): the same values (the same
+// operations lane by lane), the vectors split into x, y, z by permutes and
+// the angular neighbours compacted by lane compression, in the same order.
+TF_AVX512 void sorted_neighbors512(const HalfEdges& h, int64_t i, const Consts<float>& k,
+                                   bool backward, CentreScratch& w) {
+  NeighborArrays& all = w.all;
+  NeighborArrays& ang = w.ang;
+  const int64_t e0 = h.start[i];
+  all.resize(h.start[i + 1] - e0, k.S);
+  for (int64_t s = 0; s <= k.S; ++s) all.seg[s] = h.seg[i * k.S + s] - e0;
+  const float* v = h.vec.data() + 4 * e0;
+  // Lanes 0-7: component c of 8 neighbours from two vectors of 4 (x, y, z, 0);
+  // lanes 8-15: component c + 1.
+  const __m512i xy = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i zw = _mm512_add_epi32(xy, _mm512_set1_epi32(2));
+  const __m512i iota = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512 rc_a = _mm512_set1_ps(k.rc_a);
+  int64_t count = 0;
+  for (int64_t e = 0; e < all.n; e += 16) {
+    const int64_t left = all.n - e;  // read only this centre's half edges
+    const __m512 a0 = four_vectors(v, e, left), a1 = four_vectors(v, e + 4, left - 4),
+                 a2 = four_vectors(v, e + 8, left - 8), a3 = four_vectors(v, e + 12, left - 12);
+    const __m512 lo = _mm512_permutex2var_ps(a0, xy, a1), hi = _mm512_permutex2var_ps(a2, xy, a3);
+    const __m512 x = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 y = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 z = _mm512_shuffle_f32x4(_mm512_permutex2var_ps(a0, zw, a1),
+                                          _mm512_permutex2var_ps(a2, zw, a3), _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 r = _mm512_sqrt_ps(_mm512_fmadd_ps(z, z, _mm512_fmadd_ps(y, y, _mm512_mul_ps(x, x))));
+    _mm512_storeu_ps(all.x.data() + e, x);
+    _mm512_storeu_ps(all.y.data() + e, y);
+    _mm512_storeu_ps(all.z.data() + e, z);
+    _mm512_storeu_ps(all.r.data() + e, r);
+    const __m512i first = _mm512_add_epi64(_mm512_set1_epi64(e0 + e), iota);
+    _mm512_storeu_si512(all.edge.data() + e, first);
+    _mm512_storeu_si512(all.edge.data() + e + 8, _mm512_add_epi64(first, _mm512_set1_epi64(8)));
+    const __mmask16 valid = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+    count += __builtin_popcount(_mm512_mask_cmp_ps_mask(valid, r, rc_a, _CMP_LE_OQ));
+  }
+  all.cutoffs(k.rc_r, backward);
+  ang.resize(count, k.S);
+  int64_t a = 0;
+  for (int64_t s = 0; s < k.S; ++s) {
+    ang.seg[s] = a;
+    for (int64_t e = all.seg[s], end = all.seg[s + 1]; e < end; e += 16) {
+      const int64_t left = end - e;
+      const __mmask16 valid = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+      const __m512 r = _mm512_loadu_ps(all.r.data() + e);
+      const __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, r, rc_a, _CMP_LE_OQ);
+      // Whole vectors stored at a: the lanes past the kept ones are zeros, and
+      // ang's arrays hold count + 16 entries.
+      _mm512_storeu_ps(ang.x.data() + a, _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(all.x.data() + e)));
+      _mm512_storeu_ps(ang.y.data() + a, _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(all.y.data() + e)));
+      _mm512_storeu_ps(ang.z.data() + a, _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(all.z.data() + e)));
+      _mm512_storeu_ps(ang.r.data() + a, _mm512_maskz_compress_ps(keep, r));
+      const __mmask8 k0 = static_cast<__mmask8>(keep), k1 = static_cast<__mmask8>(keep >> 8);
+      const int64_t n0 = __builtin_popcount(k0);
+      _mm512_storeu_si512(ang.edge.data() + a,
+                          _mm512_maskz_compress_epi64(k0, _mm512_loadu_si512(all.edge.data() + e)));
+      _mm512_storeu_si512(ang.edge.data() + a + n0,
+                          _mm512_maskz_compress_epi64(k1, _mm512_loadu_si512(all.edge.data() + e + 8)));
+      a += __builtin_popcount(keep);
+    }
+  }
+  ang.seg[k.S] = a;
+  ang.cutoffs(k.rc_a, backward);
+}
+
+
+// sorted_neighbors, on 16 lanes where `wide`.
+TF_AVX2_INLINE void sorted_neighbors_any(const HalfEdges& h, int64_t i, const Consts<float>& k,
+                                         bool backward, CentreScratch& w, bool wide) {
+  if (wide) return sorted_neighbors512(h, i, k, backward, w);
+  sorted_neighbors(h, i, k, backward, w);
+}
+
 TF_AVX2_INLINE void store_at(std::vector<float>& v, int64_t t, __m256 x) {
   _mm256_storeu_ps(v.data() + t, x);
 }
@@ -807,7 +889,7 @@ TF_AVX2 void forward_atoms_avx2(int64_t begin, int64_t end, const int64_t* speci
     float* row = aev + i * k.F;
     std::fill(row, row + k.F, 0.0f);  // (the output is allocated uninitialised)
     if (species[i] < 0) continue;
-    sorted_neighbors(h, i, k, false, w);
+    sorted_neighbors_any(h, i, k, false, w, wide);
     if (wide)
       radial_forward512(w.all, k, row);
     else
@@ -856,7 +938,7 @@ TF_AVX2 void backward_atoms_avx2(int64_t begin, int64_t end, const int64_t* spec
     if (i + 1 < end) prefetch_grad_row(h, i + 1, k, grad_aev + (i + 1) * k.F);
     if (species[i] < 0) continue;
     const float* grow = grad_aev + i * k.F;
-    sorted_neighbors(h, i, k, true, w);
+    sorted_neighbors_any(h, i, k, true, w, wide);
     if (wide)
       radial_backward512(w.all, k, grow, w.coef, grad_edge);
     else

@@ -1116,13 +1116,15 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
 // The forward's half edges, kept for the backward of the same inputs, which
 // then does not build them again (for 3 000 waters that build was 0.5-0.8 ms
 // of a 32 ms energy + forces call at 2 threads). One entry, kept only when
-// the vectors require grad, and taken (freed) by the backward. The inputs
-// match when they are the same tensors at the same version, data pointer,
-// sizes and strides, with the same cutoff and species count. A tensor is
-// referenced weakly, which keeps its TensorImpl's address from being reused
-// (as PyTorch's profiler tracks tensors), so a new tensor cannot match a
-// freed one. Autograd's own saved-tensor check relies on the same version
-// counters.
+// the vectors require grad and the half edges take at most kMaxBytes (about
+// 50 000 atoms of water: a box of 98 304 would hold 120 MB through the
+// networks, 9% more peak memory), and taken (freed) by the backward. The
+// inputs match when they are the same tensors at the same version, data
+// pointer, sizes and strides, with the same cutoff and species count. A
+// tensor is referenced weakly, which keeps its TensorImpl's address from
+// being reused (as PyTorch's profiler tracks tensors), so a new tensor cannot
+// match a freed one. Autograd's own saved-tensor check relies on the same
+// version counters.
 class EdgeCache {
  public:
   void put(const at::Tensor& species, const at::Tensor& pairs, const at::Tensor& diff,
@@ -1130,7 +1132,9 @@ class EdgeCache {
     std::lock_guard<std::mutex> lock(mutex_);
     ids_.clear();
     edges_.reset();
-    if (species.is_inference() || pairs.is_inference() || diff.is_inference()) return;
+    if (species.is_inference() || pairs.is_inference() || diff.is_inference() ||
+        h->bytes() > kMaxBytes)
+      return;
     ids_ = {Id(species), Id(pairs), Id(diff)};
     cutoff_ = p.radial_cutoff;
     num_species_ = p.num_species;
@@ -1167,6 +1171,7 @@ class EdgeCache {
              t.strides().equals(strides);
     }
   };
+  static constexpr size_t kMaxBytes = size_t(64) << 20;
   std::mutex mutex_;
   std::vector<Id> ids_;  // species, pairs, diff; empty when nothing is cached
   double cutoff_ = 0;

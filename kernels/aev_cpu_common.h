@@ -60,6 +60,11 @@ struct HalfEdges {
   UninitVector<int64_t> edge0;   // (P,) half edge owned by i0, or -1
   UninitVector<int64_t> edge1;   // (P,) half edge owned by i1, or -1
   int64_t edges() const { return start.back(); }
+  size_t bytes() const {
+    return sizeof(int64_t) * (start.size() + seg.size() + pair.size() + other.size() +
+                              edge0.size() + edge1.size()) +
+           sizeof(float) * vec.size();
+  }
 };
 
 // Pairs that touch a padding atom or lie beyond the radial cutoff are dropped

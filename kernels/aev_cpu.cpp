@@ -174,6 +174,16 @@ struct CentreScratch {
   std::vector<float> coef;  // backward: (n + 8,) radial terms' coefficient of each neighbour
 };
 
+// all sized for centre i's half edges, with their species segments; returns
+// the first half edge's vector.
+TF_AVX2_INLINE const float* centre_edges(const HalfEdges& h, int64_t i, const Consts<float>& k,
+                                         NeighborArrays& all) {
+  const int64_t e0 = h.start[i];
+  all.resize(h.start[i + 1] - e0, k.S);
+  for (int64_t s = 0; s <= k.S; ++s) all.seg[s] = h.seg[i * k.S + s] - e0;
+  return h.vec.data() + 4 * e0;
+}
+
 // All neighbours of centre i from its half edges (which come sorted by
 // species, with their vectors: build_half_edges), with their distances, into
 // w.all; then those within rc_a into w.ang, in the same order.
@@ -182,9 +192,7 @@ TF_AVX2 void sorted_neighbors(const HalfEdges& h, int64_t i, const Consts<float>
   NeighborArrays& all = w.all;
   NeighborArrays& ang = w.ang;
   const int64_t e0 = h.start[i];
-  all.resize(h.start[i + 1] - e0, k.S);
-  for (int64_t s = 0; s <= k.S; ++s) all.seg[s] = h.seg[i * k.S + s] - e0;
-  const float* v = h.vec.data() + 4 * e0;
+  const float* v = centre_edges(h, i, k, all);
   for (int64_t e = 0; e < all.n; ++e) {
     all.x[e] = v[4 * e];
     all.y[e] = v[4 * e + 1];
@@ -232,9 +240,7 @@ TF_AVX512 void sorted_neighbors512(const HalfEdges& h, int64_t i, const Consts<f
   NeighborArrays& all = w.all;
   NeighborArrays& ang = w.ang;
   const int64_t e0 = h.start[i];
-  all.resize(h.start[i + 1] - e0, k.S);
-  for (int64_t s = 0; s <= k.S; ++s) all.seg[s] = h.seg[i * k.S + s] - e0;
-  const float* v = h.vec.data() + 4 * e0;
+  const float* v = centre_edges(h, i, k, all);
   // Lanes 0-7: component c of 8 neighbours from two vectors of 4 (x, y, z, 0);
   // lanes 8-15: component c + 1.
   const __m512i xy = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);

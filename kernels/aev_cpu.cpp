@@ -253,11 +253,12 @@ TF_AVX512 void sorted_neighbors512(const HalfEdges& h, int64_t i, const Consts<f
     const __m512 a0 = four_vectors(v, e, left), a1 = four_vectors(v, e + 4, left - 4),
                  a2 = four_vectors(v, e + 8, left - 8), a3 = four_vectors(v, e + 12, left - 12);
     const __m512 lo = _mm512_permutex2var_ps(a0, xy, a1), hi = _mm512_permutex2var_ps(a2, xy, a3);
-    const __m512 x = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 y = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+    constexpr int kLow = _MM_SHUFFLE(1, 0, 1, 0), kHigh = _MM_SHUFFLE(3, 2, 3, 2);  // halves
+    const __m512 x = _mm512_shuffle_f32x4(lo, hi, kLow), y = _mm512_shuffle_f32x4(lo, hi, kHigh);
     const __m512 z = _mm512_shuffle_f32x4(_mm512_permutex2var_ps(a0, zw, a1),
-                                          _mm512_permutex2var_ps(a2, zw, a3), _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 r = _mm512_sqrt_ps(_mm512_fmadd_ps(z, z, _mm512_fmadd_ps(y, y, _mm512_mul_ps(x, x))));
+                                          _mm512_permutex2var_ps(a2, zw, a3), kLow);
+    const __m512 r2 = _mm512_fmadd_ps(z, z, _mm512_fmadd_ps(y, y, _mm512_mul_ps(x, x)));
+    const __m512 r = _mm512_sqrt_ps(r2);
     _mm512_storeu_ps(all.x.data() + e, x);
     _mm512_storeu_ps(all.y.data() + e, y);
     _mm512_storeu_ps(all.z.data() + e, z);
@@ -280,23 +281,22 @@ TF_AVX512 void sorted_neighbors512(const HalfEdges& h, int64_t i, const Consts<f
       const __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, r, rc_a, _CMP_LE_OQ);
       // Whole vectors stored at a: the lanes past the kept ones are zeros, and
       // ang's arrays hold count + 16 entries.
-      _mm512_storeu_ps(ang.x.data() + a, _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(all.x.data() + e)));
-      _mm512_storeu_ps(ang.y.data() + a, _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(all.y.data() + e)));
-      _mm512_storeu_ps(ang.z.data() + a, _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(all.z.data() + e)));
+      for (auto [src, dst] : {std::pair{&all.x, &ang.x}, {&all.y, &ang.y}, {&all.z, &ang.z}})
+        _mm512_storeu_ps(dst->data() + a,
+                         _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(src->data() + e)));
       _mm512_storeu_ps(ang.r.data() + a, _mm512_maskz_compress_ps(keep, r));
       const __mmask8 k0 = static_cast<__mmask8>(keep), k1 = static_cast<__mmask8>(keep >> 8);
-      const int64_t n0 = __builtin_popcount(k0);
+      const int64_t* edge = all.edge.data() + e;
       _mm512_storeu_si512(ang.edge.data() + a,
-                          _mm512_maskz_compress_epi64(k0, _mm512_loadu_si512(all.edge.data() + e)));
-      _mm512_storeu_si512(ang.edge.data() + a + n0,
-                          _mm512_maskz_compress_epi64(k1, _mm512_loadu_si512(all.edge.data() + e + 8)));
+                          _mm512_maskz_compress_epi64(k0, _mm512_loadu_si512(edge)));
+      _mm512_storeu_si512(ang.edge.data() + a + __builtin_popcount(k0),
+                          _mm512_maskz_compress_epi64(k1, _mm512_loadu_si512(edge + 8)));
       a += __builtin_popcount(keep);
     }
   }
   ang.seg[k.S] = a;
   ang.cutoffs(k.rc_a, backward);
 }
-
 
 // sorted_neighbors, on 16 lanes where `wide`.
 TF_AVX2_INLINE void sorted_neighbors_any(const HalfEdges& h, int64_t i, const Consts<float>& k,
@@ -1117,7 +1117,6 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
     }
   });
 }
-
 
 // The forward's half edges, kept for the backward of the same inputs, which
 // then does not build them again (for 3 000 waters that build was 0.5-0.8 ms

@@ -442,16 +442,28 @@ TF_AVX512_INLINE void section_powers(const Consts<float>& k, __m512 c, __m512 si
 
 constexpr int kMaxShifts = 8;  // (A <= 8: vector_path)
 
-// f2[a] = radial_factor of every shift a < A, with x[a] = mean_r - shf_a
-// (up to kMaxShifts: the last shift again, unused).
-TF_AVX512_INLINE void radial_factors(const Consts<float>& k, __m512 m, __m512 (&x)[kMaxShifts],
-                                     __m512 (&f2)[kMaxShifts]) {
-  for (int a = 0; a < kMaxShifts; ++a) {
+// f2[a] = radial_factor of shift a for a < N, with x[a] = mean_r - shf_a
+// (a >= A: the last shift again, unused), their exps side by side.
+template <int N>
+TF_AVX512_INLINE void radial_factors_n(const Consts<float>& k, __m512 m, __m512 (&x)[kMaxShifts],
+                                       __m512 (&f2)[kMaxShifts]) {
+  __m512 u[N];
+  for (int a = 0; a < N; ++a) {
     const int64_t s = std::min<int64_t>(a, k.A - 1);
     x[a] = _mm512_sub_ps(m, _mm512_set1_ps(k.shf_a[s]));
-    f2[a] = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_a[s]), x[a]), x[a]);
+    u[a] = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-k.eta_a[s]), x[a]), x[a]);
   }
-  simd::exp_n(f2, f2);
+  simd::exp_n(u, u);
+  for (int a = 0; a < N; ++a) f2[a] = u[a];
+}
+
+// radial_factors_n for every shift a < A: 4 exps when A <= 4 (ANI-1x), else 8.
+TF_AVX512_INLINE void radial_factors(const Consts<float>& k, __m512 m, __m512 (&x)[kMaxShifts],
+                                     __m512 (&f2)[kMaxShifts]) {
+  if (k.A <= 4)
+    radial_factors_n<4>(k, m, x, f2);
+  else
+    radial_factors_n<kMaxShifts>(k, m, x, f2);
 }
 
 // The 8 horizontal sums of v[0..8), in order.

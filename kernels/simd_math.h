@@ -231,7 +231,6 @@ TF_AVX512_INLINE void exp_n(const __m512 (&u)[N], __m512 (&out)[N]) {
                                   _mm512_fmadd_ps(s[i], q[i], s[i]), u[i]);
 }
 
-
 // ln x for x > 0 (x = m 2^e, m in [sqrt(1/2), sqrt(2)), atanh series of m).
 // x = 0 gives -88 (so exp(y log x) is 0 for y >= 1), not -inf.
 TF_AVX2_INLINE __m256 log(__m256 x) {

@@ -43,10 +43,11 @@ def _extension():
     debug = os.environ.get("DEBUG", "0") == "1"
     cxx = ["-O0", "-g"] if debug else ["-O3"]
     cxx += ["-fopenmp"]
-    sources = sorted(glob.glob(os.path.join("kernels", "*.cpp")))
+    sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    include_dirs = [os.path.join(HERE, "csrc")]  # includes are relative to csrc/
     if not _use_cuda():
         return cpp_extension.CppExtension(
-            "torchani_fast._C", sources, extra_compile_args={"cxx": cxx},
+            "torchani_fast._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx},
             extra_link_args=LINK_ARGS,
         )
     if "TORCH_CUDA_ARCH_LIST" not in os.environ:
@@ -61,7 +62,8 @@ def _extension():
     nvcc += ["-DTORCHANI_FAST_CUDA"]
     return cpp_extension.CUDAExtension(
         "torchani_fast._C",
-        sources + sorted(glob.glob(os.path.join("kernels", "*.cu"))),
+        sources + sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True)),
+        include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx + ["-DTORCHANI_FAST_CUDA"], "nvcc": nvcc},
         extra_link_args=LINK_ARGS,
     )

@@ -122,6 +122,13 @@ def test_opcheck_every_op():
         grad = torch.randn(*species.shape, ref.potentials["nnp"].aev_computer.out_dim, dtype=dtype)
         torch.library.opcheck(torch.ops.torchani_fast.aev_backward.default,
                               (grad, species, pairs, diff, *args))
+        # The pair the Autograd kernel of aev uses (called below autograd).
+        _, edges = torch.ops.torchani_fast.aev_with_edges(species, pairs, diff, *args)
+        torch.library.opcheck(torch.ops.torchani_fast.aev_with_edges.default,
+                              (species, pairs, diff, *args))
+        for d in (diff, diff.clone().requires_grad_(True)):
+            torch.library.opcheck(torch.ops.torchani_fast.aev_backward_edges.default,
+                                  (grad, edges, species, pairs, d, *args))
 
 
 def test_int32_species_accepted():
@@ -262,7 +269,7 @@ def test_float32_coincident_atoms_match_float64():
 
 def test_reused_output_memory_never_overwrites_a_held_tensor():
     """The CPU AEV and its gradient from the networks op reuse their memory from
-    one call to the next (kernels/output_cache.h) only once nothing references
+    one call to the next (csrc/common/output_cache.h) only once nothing references
     it: outputs the caller keeps stay intact, and reused ones hold the new
     values (checked against TorchANI). small.xyz in float64: 2 MB per output."""
     ref, fast = model_pair("ANI2x", torch.float64)
@@ -298,7 +305,7 @@ def test_reused_output_memory_never_overwrites_a_held_tensor():
 
 def test_chunked_half_edges_same_bits_for_any_thread_count():
     """Above 16 384 pairs the CPU AEV ops build their half edges in parallel
-    chunks of pairs (kernels/aev_cpu_common.h), each atom's half edges still by
+    chunks of pairs (csrc/aev/half_edges.h), each atom's half edges still by
     neighbour species, each species in pair order: the AEV, its gradient and
     the second-derivative product give the same bits with 1 and 2 threads (1
     thread: one chunk, the serial order).
@@ -342,12 +349,15 @@ def test_chunked_half_edges_same_bits_for_any_thread_count():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_backward_reuses_forward_half_edges_only_for_the_same_inputs(dtype):
-    """The CPU forward keeps its half edges (when the vectors require grad) for
-    the backward of the same tensors (kernels/aev_cpu.cpp, EdgeCache). The
-    backward must then give the same bits as one that builds them anew, and
-    must build them anew for other tensors, for the same tensor changed in
-    place, and for another radial cutoff: a stale entry would read the old
-    vectors or drop other pairs."""
+    """The CPU forward hands its half edges to the backward of the same call
+    through autograd (aev_with_edges returns their handle, which the Autograd
+    kernel of aev saves; aev_backward_edges reads it: csrc/ops.h). The backward
+    must then give the same bits as one that builds them anew, and must build
+    them anew when handed the handle with other tensors, with the same tensor
+    changed in place, with another radial cutoff, or a tensor that is not a
+    handle (a copy of one): a stale handle would read the old vectors or drop
+    other pairs. Nothing is kept between calls: an op called twice gives the
+    same bits whatever ran in between."""
     ref = reference_model("ANI2x", torch.float64)
     species, coords, _, _ = atoms_to_tensors(read_molecule("3o99_ligand.xyz"), dtype)
     elem = ref.species_converter(species)
@@ -355,8 +365,9 @@ def test_backward_reuses_forward_half_edges_only_for_the_same_inputs(dtype):
     flat = coords.view(-1, 3)
     args = aev_args(ref.potentials["nnp"].aev_computer, dtype)
     weights = torch.sin(torch.arange(elem.numel() * 1008, dtype=dtype)).view(1, -1, 1008)
+    tf = torch.ops.torchani_fast
 
-    def fresh(diff, *a):  # new tensors: nothing cached matches them
+    def fresh(diff, *a):  # new tensors: no handle matches them
         return ops.aev_backward(weights, elem.clone(), pairs.clone(), diff.detach().clone(),
                                 *(a or args))
 
@@ -364,20 +375,32 @@ def test_backward_reuses_forward_half_edges_only_for_the_same_inputs(dtype):
     # Through autograd: the forward's half edges.
     (got,) = torch.autograd.grad(ops.aev(elem, pairs, diff, *args), diff, weights)
     assert torch.equal(got, fresh(diff))
-    # The forward of other vectors in between: built again for the first ones.
+    # Two graphs alive at once, each with its own handle.
     other = (diff.detach() * 1.01).requires_grad_(True)
     aev = ops.aev(elem, pairs, diff, *args)
-    ops.aev(elem, pairs, other, *args)
+    aev_other = ops.aev(elem, pairs, other, *args)
     (got,) = torch.autograd.grad(aev, diff, weights)
-    assert torch.equal(got, fresh(diff))
+    (got_other,) = torch.autograd.grad(aev_other, other, weights)
+    assert torch.equal(got, fresh(diff)) and torch.equal(got_other, fresh(other))
+    assert not torch.equal(got, got_other)
+    # The ops themselves.
+    aev, edges = tf.aev_with_edges(elem, pairs, diff, *args)
+    assert torch.equal(aev, ops.aev(elem, pairs, diff.detach(), *args))
+    assert edges.dtype == torch.uint8 and edges.shape == (0,)
+    assert torch.equal(tf.aev_backward_edges(weights, edges, elem, pairs, diff, *args), fresh(diff))
+    # Handed other vectors, a copy of the handle, or no handle: built anew.
+    assert torch.equal(tf.aev_backward_edges(weights, edges, elem, pairs, other, *args), fresh(other))
+    for not_ours in (edges.clone(), torch.empty(0, dtype=torch.uint8)):
+        assert torch.equal(tf.aev_backward_edges(weights, not_ours, elem, pairs, diff, *args),
+                           fresh(diff))
     # The same tensor, changed in place after the forward (pairs drop out of
-    # the cutoff): the backward op called on it directly reads the new vectors.
-    ops.aev(elem, pairs, diff, *args)
+    # the cutoff): the backward reads the new vectors.
     with torch.no_grad():
         diff.mul_(1.2)
-    assert torch.equal(ops.aev_backward(weights, elem, pairs, diff, *args), fresh(diff))
+    assert torch.equal(tf.aev_backward_edges(weights, edges, elem, pairs, diff, *args), fresh(diff))
     # Another radial cutoff for the same tensors.
+    _, edges = tf.aev_with_edges(elem, pairs, diff, *args)
     shorter = args[:6] + [4.0, 3.5, args[8]]
-    ops.aev(elem, pairs, diff, *args)
-    assert torch.equal(ops.aev_backward(weights, elem, pairs, diff, *shorter), fresh(diff, *shorter))
+    assert torch.equal(tf.aev_backward_edges(weights, edges, elem, pairs, diff, *shorter),
+                       fresh(diff, *shorter))
     assert not torch.equal(fresh(diff, *shorter), fresh(diff))

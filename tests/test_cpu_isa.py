@@ -119,7 +119,7 @@ def test_zero_chunk_runs_at_every_level(levels):
 
 def test_stored_wt_backward_same_bits_as_transposed(levels):
     # 300 rows in one group: 4 blocks of 75, so with AVX-512 the backward
-    # multiplies by the stored W^T panels (ensemble_cpu.cpp, kStoredMinBlocks);
+    # multiplies by the stored W^T panels (ensemble/ensemble_cpu.cpp, kStoredMinBlocks);
     # the same rows as three groups of 100 (2 blocks each) transpose W on the
     # fly. Each row's sums run in the same order either way: the same values
     # and J, bit for bit, and both close to plain PyTorch.

@@ -1,6 +1,6 @@
 """The CUDA kernels' own source, run on the CPU by a small emulator, against the CPU ops.
 
-No GPU needed: tests/cuda_emulation/ compiles kernels/*.cu as host C++ with one
+No GPU needed: tests/cuda_emulation/ compiles csrc/**/*.cu as host C++ with one
 OS thread per CUDA thread and real barriers for __syncthreads, __syncwarp and
 warp shuffles (see emu_runtime.h). This checks the kernels' logic (indexing,
 layouts, synchronisation, padding, error encoding), not the device compiler,

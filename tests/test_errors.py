@@ -107,7 +107,7 @@ def test_edge_inputs_equal_torchani():
 
 @pytest.mark.parametrize("int_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 def test_one_pass_checks_find_the_first_bad_atom(models, int_dtype):
-    # A valid CPU call is checked by two C++ ops (validate_cpu.cpp) instead of
+    # A valid CPU call is checked by two C++ ops (validate/validate_cpu.cpp) instead of
     # the element-wise reductions; they must flag the same first atom.
     _, fast, _ = models
     conv = fast.species_converter.conv_tensor

@@ -194,7 +194,7 @@ def test_nonperiodic_large_uses_bins():
 
 
 def test_batch_of_binned_molecules_any_thread_count():
-    """Cell lists for a batch whose chunks of atoms (kernels/neighbors_cpu.cpp,
+    """Cell lists for a batch whose chunks of atoms (csrc/neighbors/neighbors_cpu.cpp,
     about N / (2 threads), 64-256 atoms) straddle molecules, with padding
     inside: the scan of each bin starts at its first atom j >= i, kept per bin
     of the current molecule as i grows, so a start carried over from another

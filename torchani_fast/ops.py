@@ -1,6 +1,6 @@
 """Typed wrappers over ``torch.ops.torchani_fast`` and the fake (meta) kernels.
 
-The C++ side (``kernels/registration.cpp``) declares the schemas and the CPU,
+The C++ side (``csrc/registration.cpp``) declares the schemas and the CPU,
 CUDA and autograd kernels. The fake kernels here let ``torch.compile``,
 ``torch.export`` and ``torch.library.opcheck`` trace the ops without data.
 """
@@ -296,6 +296,17 @@ def _aev_fake(species, pairs, diff_vectors, radial_eta, radial_shifts, angular_e
     torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
     length = _aev_length(radial_shifts, angular_shifts, angular_sections, num_species)
     return diff_vectors.new_empty((*species.shape, length))
+
+
+@torch.library.register_fake("torchani_fast::aev_with_edges")
+def _aev_with_edges_fake(species, pairs, diff_vectors, *rest):
+    # (the handle of the half edges is always a (0,) uint8 tensor: ops.h)
+    return _aev_fake(species, pairs, diff_vectors, *rest), diff_vectors.new_empty(0, dtype=torch.uint8)
+
+
+@torch.library.register_fake("torchani_fast::aev_backward_edges")
+def _aev_backward_edges_fake(grad_aev, edges, species, pairs, diff_vectors, *rest):
+    return _aev_backward_fake(grad_aev, species, pairs, diff_vectors)
 
 
 @torch.library.register_fake("torchani_fast::aev_backward")

@@ -5,7 +5,7 @@ returns an energy for NaN coordinates, and (once scripted) treats an unsupported
 element as padding. A patched model checks every call and raises an error that
 names the argument and the offending value instead. On the CPU a valid input
 costs two one-pass C++ ops (``first_invalid_atom``, ``convert_species``,
-kernels/validate_cpu.cpp); when they flag an atom, or on other devices, the
+csrc/validate/validate_cpu.cpp); when they flag an atom, or on other devices, the
 element-wise checks below run and word the error (on CUDA each reduction is
 one host synchronisation).
 

@@ -1,9 +1,9 @@
-"""Build torch.ops.torchani_fast_emu: the CUDA kernels of kernels/*.cu run on the CPU.
+"""Build torch.ops.torchani_fast_emu: the CUDA kernels of csrc/**/*.cu run on the CPU.
 
 The .cu sources (and the .cuh headers they include) are copied, their launches `k<<<grid, block, smem, stream>>>(...)`
 rewritten to `::emu::launch(&k, grid, block, smem, stream, ...)` and their
 dynamic shared memory to a pointer, then compiled as host C++ against
-emu_runtime.h (in place of kernels/cuda_common.cuh). See emu_runtime.h.
+emu_runtime.h (in place of csrc/common/cuda_common.cuh). See emu_runtime.h.
 """
 import re
 import tempfile
@@ -13,7 +13,7 @@ import torch
 from torch.utils import cpp_extension
 
 HERE = Path(__file__).resolve().parent
-KERNELS = HERE.parents[1] / "kernels"
+CSRC = HERE.parents[1] / "csrc"
 
 LAUNCH = re.compile(r"([\w:]+(?:<\w+>)?)\s*<<<(.*?)>>>\(", re.S)
 SMEM = re.compile(r"extern __shared__ __align__\(\d+\) unsigned char (\w+)\[\];")
@@ -28,27 +28,26 @@ def load(verbose=False):
     """Compile (cached by torch in its extensions dir) and load; returns torch.ops.torchani_fast_emu."""
     out = Path(tempfile.gettempdir()) / "torchani_fast_emu_src"
     out.mkdir(exist_ok=True)
-    (out / "cuda_common.cuh").write_text('#include "emu_runtime.h"\n')
+    # The translated tree mirrors csrc/ (includes are relative to csrc/, and
+    # -I{out} comes first), with common/cuda_common.cuh replaced by the emulator.
+    (out / "common").mkdir(exist_ok=True)
+    (out / "common" / "cuda_common.cuh").write_text('#include "emu_runtime.h"\n')
     sources = []
-    # Headers with kernels and launches (all .cuh but cuda_common.cuh) are
-    # translated next to the translated sources, which include them by name.
-    for cuh in sorted(KERNELS.glob("*.cuh")):
-        if cuh.name == "cuda_common.cuh":
+    for path in sorted(CSRC.rglob("*.cu")) + sorted(CSRC.rglob("*.cuh")):
+        if path.name == "cuda_common.cuh":
             continue
-        dst = out / cuh.name
-        text = translate(cuh.read_text())
+        rel = path.relative_to(CSRC)
+        dst = out / (rel.with_suffix(".cpp") if path.suffix == ".cu" else rel)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        text = translate(path.read_text())
         if not dst.exists() or dst.read_text() != text:
             dst.write_text(text)
-    for cu in sorted(KERNELS.glob("*.cu")):
-        dst = out / (cu.stem + ".cpp")
-        text = translate(cu.read_text())
-        if not dst.exists() or dst.read_text() != text:
-            dst.write_text(text)
-        sources.append(str(dst))
-    sources += [str(KERNELS / "aev_cpu.cpp"), str(KERNELS / "neighbors_cpu.cpp"),
-                str(HERE / "emu_registration.cpp")]
+        if path.suffix == ".cu":
+            sources.append(str(dst))
+    sources += [str(CSRC / "aev" / "aev_cpu.cpp"), str(CSRC / "aev" / "vector_cpu.cpp"),
+                str(CSRC / "neighbors" / "neighbors_cpu.cpp"), str(HERE / "emu_registration.cpp")]
     flags = ["-O1", "-std=c++20", "-fopenmp", "-DTORCHANI_FAST_CUDA",
-             "-Dtorchani_fast=torchani_fast_emu", f"-I{out}", f"-I{HERE}", f"-I{KERNELS}"]
+             "-Dtorchani_fast=torchani_fast_emu", f"-I{out}", f"-I{HERE}", f"-I{CSRC}"]
     cpp_extension.load(
         name="torchani_fast_emu", sources=sources, extra_cflags=flags,
         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose,

@@ -13,6 +13,8 @@ TORCH_LIBRARY(torchani_fast_emu, m) {
   m.def(schema::kNeighborPairsPadded, &neighbor_pairs_padded_cuda);
   m.def(schema::kAev, &AevForwardOp::flat<&aev_forward_cuda>);
   m.def(schema::kAevBackward, &AevBackwardOp::flat<&aev_backward_cuda>);
+  m.def(schema::kAevWithEdges, &AevWithEdgesOp::flat<&aev_with_edges_cuda>);
+  m.def(schema::kAevBackwardEdges, &AevBackwardEdgesOp::flat<&aev_backward_edges_cuda>);
   m.def(schema::kAevJvp, &AevBackwardOp::flat<&aev_jvp_cuda>);
   m.def(schema::kAevDoubleBackward, &AevDoubleBackwardOp::flat<&aev_double_backward_cuda>);
   m.def(schema::kAevLocalDerivatives, &AevLocalDerivativesOp::flat<&aev_local_derivatives_cuda>);

@@ -1,8 +1,8 @@
-// A tiny CUDA emulator for testing the kernels of kernels/*.cu without a GPU.
+// A tiny CUDA emulator for testing the kernels of csrc/**/*.cu without a GPU.
 //
 // build.py copies each .cu file, rewrites its kernel launches into
 // emu::launch(...) and its dynamic shared memory into a pointer, and compiles
-// it as host C++ with this file standing in for kernels/cuda_common.cuh. Every
+// it as host C++ with this file standing in for csrc/common/cuda_common.cuh. Every
 // CUDA thread becomes an OS thread; blocks run one after another, so
 // `__shared__` variables become function statics. __syncthreads, __syncwarp
 // and warp shuffles are real barriers, which is stricter than the hardware:
@@ -152,7 +152,7 @@ struct CUDAGuard {
 }  // namespace cuda
 }  // namespace c10
 
-// The helpers of kernels/cuda_common.cuh, in host form.
+// The helpers of csrc/common/cuda_common.cuh, in host form.
 namespace torchani_fast {
 namespace cuda {
 

@@ -8,7 +8,7 @@
 
 #include "ops.h"
 #include "schemas.h"
-#include "simd_math.h"
+#include "common/simd_math.h"
 
 namespace torchani_fast {
 // weights_state of tensors kept on the C++ side (torch.classes.torchani_fast.
@@ -42,7 +42,7 @@ TORCH_LIBRARY(torchani_fast, m) {
                   [](int64_t) { return c10::make_intrusive<torchani_fast::PackCache>(); });
   for (const char* schema :
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
-        kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
+        kAevWithEdges, kAevBackwardEdges, kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
         kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kWeightsState, kGroupAtoms,
         kFirstInvalidAtom, kValidCell, kConvertSpecies}) {
     m.def(schema);
@@ -57,6 +57,8 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("pair_vectors_backward", &pair_vectors_backward_cpu);
   m.impl("aev", &AevForwardOp::flat<&aev_forward_cpu>);
   m.impl("aev_backward", &AevBackwardOp::flat<&aev_backward_cpu>);
+  m.impl("aev_with_edges", &AevWithEdgesOp::flat<&aev_with_edges_cpu>);
+  m.impl("aev_backward_edges", &AevBackwardEdgesOp::flat<&aev_backward_edges_cpu>);
   m.impl("aev_jvp", &AevBackwardOp::flat<&aev_jvp_cpu>);
   m.impl("aev_double_backward", &AevDoubleBackwardOp::flat<&aev_double_backward_cpu>);
   m.impl("aev_local_derivatives", &AevLocalDerivativesOp::flat<&aev_local_derivatives_cpu>);
@@ -82,6 +84,8 @@ TORCH_LIBRARY_IMPL(torchani_fast, CUDA, m) {
   m.impl("neighbor_pairs_padded", &neighbor_pairs_padded_cuda);
   m.impl("aev", &AevForwardOp::flat<&aev_forward_cuda>);
   m.impl("aev_backward", &AevBackwardOp::flat<&aev_backward_cuda>);
+  m.impl("aev_with_edges", &AevWithEdgesOp::flat<&aev_with_edges_cuda>);
+  m.impl("aev_backward_edges", &AevBackwardEdgesOp::flat<&aev_backward_edges_cuda>);
   m.impl("aev_jvp", &AevBackwardOp::flat<&aev_jvp_cuda>);
   m.impl("aev_double_backward", &AevDoubleBackwardOp::flat<&aev_double_backward_cuda>);
   m.impl("aev_local_derivatives", &AevLocalDerivativesOp::flat<&aev_local_derivatives_cuda>);
@@ -95,6 +99,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
   m.impl("pair_vectors", &pair_vectors_autograd);
   m.impl("aev", &AevForwardOp::flat<&aev_autograd>);
   m.impl("aev_backward", &AevBackwardOp::flat<&aev_backward_autograd>);
+  m.impl("aev_backward_edges", &AevBackwardEdgesOp::flat<&aev_backward_edges_autograd>);
   m.impl("aev_jvp", &AevBackwardOp::flat<&aev_jvp_autograd>);
   m.impl("aev_double_backward", &AevDoubleBackwardOp::flat<&aev_double_backward_autograd>);
   m.impl("aev_local_derivatives", &AevLocalDerivativesOp::flat<&aev_local_derivatives_autograd>);
@@ -105,7 +110,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
 // `from torchani_fast import _C` runs the static registrations above; the module
 // itself (no pybind11, only the C API of Python) holds one function:
 // _C.simd_level(cap) -> the instruction-set level the CPU kernels use
-// (simd_math.h), after capping it at `cap` if cap >= 0 (torchani_fast.cpu_isa).
+// (common/simd_math.h), after capping it at `cap` if cap >= 0 (torchani_fast.cpu_isa).
 namespace {
 PyObject* simd_level(PyObject*, PyObject* args) {
   int cap = -1;

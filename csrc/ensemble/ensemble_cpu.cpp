@@ -14,10 +14,10 @@
 // the input only, and results do not depend on the number of threads.
 // float32 on AVX2 CPUs multiplies with the weights' panel copies (W for the
 // forward, W^T for the backward; with AVX-512 the backward too reads W,
-// small_gemm.h, except in groups of many blocks); otherwise BLAS.
+// ensemble/gemm.h, except in groups of many blocks); otherwise BLAS.
 //
 // CELU(alpha) = x for x > 0, alpha expm1(x / alpha) otherwise; its derivative
-// is kept from the forward pass. float32 uses simd_math.h's exp on AVX2 CPUs
+// is kept from the forward pass. float32 uses common/simd_math.h's exp on AVX2 CPUs
 // (about 1 ulp); float64 uses std::expm1/std::exp and reproduces PyTorch's
 // backward, which scales by 1/float32(alpha) (see nn.py).
 #include <ATen/ATen.h>
@@ -33,12 +33,15 @@
 #include <vector>
 
 #include "ops.h"
-#include "output_cache.h"
-#include "simd_math.h"
-#include "small_gemm.h"
+#include "common/output_cache.h"
+#include "common/simd_math.h"
+#include "ensemble/gemm.h"
+#include "ensemble/zero_chunks.h"
 
 namespace torchani_fast {
 namespace {
+
+using namespace ensemble_detail;
 
 constexpr int64_t kBlockRows = 96;     // at most this many atoms per task
 constexpr int64_t kTargetTasks = 16;  // below this many blocks, members are split too
@@ -95,7 +98,7 @@ TF_AVX2 void celu_avx2(float* z, float* d, int64_t count) {
 #endif
 
 // (Only the layers without panels take this pass: the panel products apply
-// CELU to their accumulators, small_gemm.h.)
+// CELU to their accumulators, ensemble/gemm.h.)
 void celu_inplace(float* z, float* d, int64_t count) {
 #ifdef TF_SIMD_AVX2
   if (simd::have_avx2()) {
@@ -140,7 +143,7 @@ struct GroupNet {
   std::vector<int64_t> stride;   // per layer: offset from one member's weights to the next
   std::vector<const T*> bias;    // per layer: member 0's bias
   // float32 panels (or empty): per hidden layer, member 0's W (forward) and W^T
-  // (backward) as 16-column panels (small_gemm.h); member stride d_in * d_out.
+  // (backward) as 16-column panels (ensemble/gemm.h); member stride d_in * d_out.
   std::vector<const T*> panel_fwd, panel_bwd;
   int64_t layers() const { return static_cast<int64_t>(weight.size()); }
   int64_t in_dim() const { return dims[0]; }
@@ -149,75 +152,6 @@ struct GroupNet {
 struct Task {
   int64_t group, row0, rows, slice;
 };
-
-// Every entry of a contiguous int64 tensor is in [0, end) (a plain loop: this
-// runs on every call, where min()/max() would be two ATen ops each).
-inline bool in_range(const at::Tensor& idx, int64_t end) {
-  const int64_t* p = idx.data_ptr<int64_t>();
-  for (int64_t i = 0, n = idx.numel(); i < n; ++i)
-    if (p[i] < 0 || p[i] >= end) return false;
-  return true;
-}
-
-// in_range, and no entry repeats (each atom's values are written once).
-inline bool distinct_in_range(const at::Tensor& idx, int64_t end) {
-  if (!in_range(idx, end)) return false;
-  std::vector<char> seen(static_cast<size_t>(end), 0);
-  const int64_t* p = idx.data_ptr<int64_t>();
-  for (int64_t i = 0, n = idx.numel(); i < n; ++i) {
-    if (seen[p[i]]) return false;
-    seen[p[i]] = 1;
-  }
-  return true;
-}
-
-#ifdef TF_SIMD_AVX2
-TF_AVX2 uint64_t nonzero_chunks_avx2(const float* row, const int64_t* starts, int64_t count) {
-  const __m256 zero = _mm256_setzero_ps();
-  uint64_t bits = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    const float* p = row + starts[i];
-    const __m256 a = _mm256_cmp_ps(_mm256_loadu_ps(p), zero, _CMP_NEQ_UQ);
-    const __m256 b = _mm256_cmp_ps(_mm256_loadu_ps(p + 8), zero, _CMP_NEQ_UQ);
-    bits |= uint64_t(_mm256_movemask_ps(_mm256_or_ps(a, b)) != 0) << (starts[i] / 16);
-  }
-  return bits;
-}
-#endif
-
-// Whether any of p[0 .. n) is nonzero (NaN counts, as ne(0) does); no early
-// exit, so that the loop vectorises.
-template <typename T>
-bool any_nonzero(const T* p, int64_t n) {
-  int nonzero = 0;
-  for (int64_t c = 0; c < n; ++c) nonzero |= p[c] != T(0);
-  return nonzero != 0;
-}
-
-// Bit c / 16 for each chunk start c of `starts` (count of them, c < 1024):
-// row[c .. c + 15] is not all zero (NaN counts).
-template <typename T>
-uint64_t nonzero_chunks(const T* row, const int64_t* starts, int64_t count) {
-#ifdef TF_SIMD_AVX2
-  if constexpr (std::is_same_v<T, float>) {
-    if (simd::have_avx2()) return nonzero_chunks_avx2(row, starts, count);
-  }
-#endif
-  uint64_t bits = 0;
-  for (int64_t i = 0; i < count; ++i)
-    bits |= uint64_t(any_nonzero(row + starts[i], 16)) << (starts[i] / 16);
-  return bits;
-}
-
-// 0, 16, 32, ...: the chunks of a whole row.
-const int64_t* every_chunk() {
-  static const std::vector<int64_t> starts = [] {
-    std::vector<int64_t> s(64);
-    for (int64_t c = 0; c < 64; ++c) s[c] = 16 * c;
-    return s;
-  }();
-  return starts.data();
-}
 
 // Layer l of member m: out (rows, d_out) = h W_l + b_l, then, if deriv is
 // given, CELU in place with its derivative into deriv (the panel kernels apply
@@ -619,169 +553,6 @@ at::Tensor ensemble_energies_cpu(const at::Tensor& aev, const at::Tensor& atoms,
   return energies_from_values(values, molecules, divisor);
 }
 
-std::tuple<bool, int64_t> weights_state(at::TensorList params) {
-  bool requires_grad = false;
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over 64-bit words
-  auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
-  for (const at::Tensor& p : params) {
-    requires_grad |= p.requires_grad();
-    const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
-    mix(impl->has_storage() ? reinterpret_cast<uintptr_t>(impl->storage().data()) : 0);
-    mix(static_cast<uint64_t>(impl->storage_offset()));
-    // Inference tensors keep no version counter (and cannot change outside
-    // inference mode).
-    mix(p.is_inference() ? 0 : static_cast<uint64_t>(p._version()));
-  }
-  return {requires_grad, static_cast<int64_t>(h >> 1)};
-}
-
-std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
-                                                   int64_t num_species,
-                                                   const c10::optional<at::Tensor>& aev,
-                                                   int64_t radial_sublen, int64_t split_min_atoms) {
-  TORCH_CHECK(elem_idxs.scalar_type() == at::kLong || elem_idxs.scalar_type() == at::kInt,
-              "group_atoms: elem_idxs must be int64 or int32, got ", elem_idxs.scalar_type());
-  TORCH_CHECK(num_species >= 1 && num_species <= 62, "group_atoms: num_species = ", num_species,
-              " must be in [1, 62]");
-  const int64_t S = num_species;
-  const at::Tensor e = elem_idxs.to(at::kLong).contiguous();
-  const int64_t* ep = e.data_ptr<int64_t>();
-  const int64_t n = e.numel();
-  auto element = [&](int64_t a) { return ep[a] >= 0 && ep[a] < S ? ep[a] : int64_t(-1); };
-  std::vector<int64_t> count(S, 0);
-  int64_t composition = 0;
-  for (int64_t a = 0; a < n; ++a) {
-    const int64_t el = element(a);
-    if (el >= 0) {
-      count[el]++;
-      composition |= int64_t(1) << el;
-    }
-  }
-  // The AEV, if given: the split and the order within groups read it.
-  at::Tensor x;
-  if (aev.has_value()) {
-    x = aev->contiguous();
-    const int64_t radial = S * std::max<int64_t>(radial_sublen, 0);
-    TORCH_CHECK(x.dim() == 2 && x.size(0) == n && x.size(1) >= radial,
-                "group_atoms: aev must be (", n, ", >= ", radial, "), got ", x.sizes());
-  }
-  // Rare elements per element (FusedEnsemble._groups): seen, within the radial
-  // cutoff (a nonzero radial block), by at most a quarter of its atoms, when
-  // enough atoms see none of them to be worth a second group.
-  std::vector<int64_t> rare(S, 0), seen;
-  const bool consider =
-      aev.has_value() && radial_sublen > 0 && split_min_atoms > 0 && n >= 2 * split_min_atoms;
-  if (consider) {
-    seen.assign(n, 0);
-    std::vector<int64_t> table(S * S, 0);  // [element][neighbour element]: atoms that see it
-    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_atoms", [&] {
-      const scalar_t* xp = x.data_ptr<scalar_t>();
-      const int64_t F = x.size(1);
-      at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-        for (int64_t a = begin; a < end; ++a) {
-          const scalar_t* row = xp + a * F;
-          int64_t bits = 0;
-          for (int64_t s = 0; s < S; ++s) {
-            if (any_nonzero(row + s * radial_sublen, radial_sublen)) bits |= int64_t(1) << s;
-          }
-          seen[a] = bits;
-        }
-      });
-    });
-    for (int64_t a = 0; a < n; ++a) {
-      const int64_t el = element(a);
-      if (el < 0) continue;
-      for (int64_t s = 0; s < S; ++s)
-        if ((seen[a] >> s) & 1) table[el * S + s]++;
-    }
-    for (int64_t el = 0; el < S; ++el) {
-      if (count[el] < 2 * split_min_atoms) continue;
-      int64_t bits = 0, hits = 0;
-      for (int64_t s = 0; s < S; ++s) {
-        const int64_t c = table[el * S + s];
-        if (c > 0 && 4 * c <= count[el]) {
-          bits |= int64_t(1) << s;
-          hits += c;
-        }
-      }
-      rare[el] = count[el] - hits < split_min_atoms ? 0 : bits;
-    }
-  }
-  // Key 2 * element + (sees a rare element); a counting sort by key, stable in
-  // the atom index (what a stable argsort gives).
-  auto key = [&](int64_t a) {
-    const int64_t el = element(a);
-    if (el < 0) return int64_t(-1);
-    return 2 * el + ((consider && (seen[a] & rare[el]) != 0) ? 1 : 0);
-  };
-  std::vector<int64_t> size(2 * S, 0);
-  for (int64_t a = 0; a < n; ++a) {
-    const int64_t k = key(a);
-    if (k >= 0) size[k]++;
-  }
-  std::vector<int64_t> next(2 * S, 0);
-  int64_t groups = 0, total = 0;
-  for (int64_t k = 0; k < 2 * S; ++k) {
-    next[k] = total;
-    total += size[k];
-    groups += size[k] > 0;
-  }
-  at::Tensor atoms = at::empty({total}, e.options());
-  int64_t* ap = atoms.data_ptr<int64_t>();
-  for (int64_t a = 0; a < n; ++a) {
-    const int64_t k = key(a);
-    if (k >= 0) ap[next[k]++] = a;
-  }
-  // Within a group, atoms with the same zero chunks of the AEV (16 columns:
-  // blocks of neighbour elements or pairs that an atom lacks) side by side, so
-  // that ensemble_mlp's tiles of rows skip more of them; ties in index order.
-  // Only the chunks that the composition can fill are read (TorchANI's layout:
-  // radial blocks, then the pairs' angular blocks in row-major triangle order;
-  // all chunks if the AEV has another shape). The order is a heuristic: the
-  // op finds the zero chunks from the data.
-  if (x.defined() && total > 1) {
-    const int64_t F = x.size(1), chunks = std::min<int64_t>(F / 16, 64);
-    const int64_t R = radial_sublen, pairs = S * (S + 1) / 2, angular = F - S * R;
-    std::vector<int64_t> read;  // first column of each chunk read
-    if (R > 0 && R % 16 == 0 && angular > 0 && angular % (16 * pairs) == 0 && F <= 16 * 64) {
-      const int64_t W = angular / pairs;
-      auto add = [&](int64_t col, int64_t width) {
-        for (int64_t c = col; c < col + width; c += 16) read.push_back(c);
-      };
-      for (int64_t s = 0; s < S; ++s)
-        if ((composition >> s) & 1) add(s * R, R);
-      for (int64_t s1 = 0, p = 0; s1 < S; ++s1)
-        for (int64_t s2 = s1; s2 < S; ++s2, ++p)
-          if ((composition >> s1) & (composition >> s2) & 1) add(S * R + p * W, W);
-    } else {
-      for (int64_t c = 0; c < chunks; ++c) read.push_back(16 * c);
-    }
-    std::vector<uint64_t> pattern(static_cast<size_t>(n), 0);
-    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_atoms", [&] {
-      const scalar_t* xp = x.data_ptr<scalar_t>();
-      at::parallel_for(0, total, 256, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i)
-          pattern[ap[i]] = nonzero_chunks(xp + ap[i] * F, read.data(), static_cast<int64_t>(read.size()));
-      });
-    });
-    for (int64_t k = 0, begin = 0; k < 2 * S; begin += size[k], ++k)
-      std::stable_sort(ap + begin, ap + begin + size[k],
-                       [&](int64_t a, int64_t b) { return pattern[a] < pattern[b]; });
-  }
-  at::Tensor info = at::empty({groups, 3}, e.options());
-  int64_t* ip = info.data_ptr<int64_t>();
-  for (int64_t k = 0, g = 0; k < 2 * S; ++k) {
-    if (size[k] == 0) continue;
-    const int64_t el = k / 2;
-    ip[3 * g] = el;
-    // Atoms that see none of the rare elements skip their columns.
-    ip[3 * g + 1] = k % 2 == 0 ? composition & ~rare[el] : composition;
-    ip[3 * g + 2] = size[k];
-    ++g;
-  }
-  return {atoms, info};
-}
-
 at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,
                                      at::IntArrayRef sizes, at::TensorList columns,
                                      const at::Tensor& jacobian, int64_t features) {
@@ -830,7 +601,7 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
     }
     // Every row is written in one pass: zeros, then the atom's used columns,
     // while the row is in cache; the memory is reused across calls
-    // (output_cache.h).
+    // (common/output_cache.h).
     static thread_local OutputCache cache;
     out = cache.empty({num_atoms, features}, grad.options());
     scalar_t* o = out.data_ptr<scalar_t>();

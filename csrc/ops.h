@@ -79,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_cpu(
     const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs);
 
 #ifdef TORCHANI_FAST_CUDA
-// CUDA kernels (neighbors_cuda.cu, aev_cuda.cu): same semantics as the CPU
+// CUDA kernels (neighbors/neighbors_cuda.cu, aev/cuda/aev_cuda.cu): same semantics as the CPU
 // ones, except that data-dependent errors are not raised by the ops that must
 // not synchronise (see the files' headers). neighbor_pairs_cuda reads the pair
 // count back to size its outputs: its one host synchronisation.
@@ -130,6 +130,9 @@ using AevForwardOp = AevOp<at::Tensor>;                                   // aev
 using AevBackwardOp = AevOp<at::Tensor, TensorRef>;                       // aev_backward, aev_jvp
 using AevDoubleBackwardOp = AevOp<at::Tensor, TensorRef, TensorRef>;      // aev_double_backward
 using AevLocalDerivativesOp = AevOp<Tensor3, TensorRef, TensorRef>;       // aev_local_derivatives
+using Tensor2 = std::tuple<at::Tensor, at::Tensor>;
+using AevWithEdgesOp = AevOp<Tensor2>;                                    // aev_with_edges
+using AevBackwardEdgesOp = AevOp<at::Tensor, TensorRef, TensorRef>;       // aev_backward_edges
 
 at::Tensor aev_forward_cpu(const at::Tensor& species, const at::Tensor& pairs,
                            const at::Tensor& diff_vectors, const AEVParams& p);
@@ -137,16 +140,40 @@ at::Tensor aev_backward_cpu(const at::Tensor& grad_aev, const at::Tensor& specie
                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
                             const AEVParams& p);
 
+// What the backward needs from its forward, passed explicitly: aev_with_edges
+// is aev plus a handle (a (0,) uint8 tensor) that owns the forward's half
+// edges, or an empty tensor where they are not kept (other devices, inference
+// tensors, more than 64 MB); aev_backward_edges is aev_backward, reading the
+// half edges from such a handle when it was built from these very inputs and
+// building them otherwise. The Autograd kernel of aev uses the pair (it saves
+// the handle in its context); the results are those of aev and aev_backward,
+// bit for bit.
+std::tuple<at::Tensor, at::Tensor> aev_with_edges_cpu(const at::Tensor& species,
+                                                      const at::Tensor& pairs,
+                                                      const at::Tensor& diff_vectors,
+                                                      const AEVParams& p);
+at::Tensor aev_backward_edges_cpu(const at::Tensor& grad_aev, const at::Tensor& edges,
+                                  const at::Tensor& species, const at::Tensor& pairs,
+                                  const at::Tensor& diff_vectors, const AEVParams& p);
+
 #ifdef TORCHANI_FAST_CUDA
 at::Tensor aev_forward_cuda(const at::Tensor& species, const at::Tensor& pairs,
                             const at::Tensor& diff_vectors, const AEVParams& p);
 at::Tensor aev_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& species,
                              const at::Tensor& pairs, const at::Tensor& diff_vectors,
                              const AEVParams& p);
+// (The CUDA kernels keep no half edges: an empty handle, which the backward ignores.)
+std::tuple<at::Tensor, at::Tensor> aev_with_edges_cuda(const at::Tensor& species,
+                                                       const at::Tensor& pairs,
+                                                       const at::Tensor& diff_vectors,
+                                                       const AEVParams& p);
+at::Tensor aev_backward_edges_cuda(const at::Tensor& grad_aev, const at::Tensor& edges,
+                                   const at::Tensor& species, const at::Tensor& pairs,
+                                   const at::Tensor& diff_vectors, const AEVParams& p);
 #endif
 
-// Second derivatives (aev_double_backward_cpu.cpp; the per-atom math is shared
-// with CUDA through aev_second_derivs.h), the two halves of
+// Second derivatives (aev/second_cpu.cpp; the per-atom math is shared
+// with CUDA through aev/second_derivs.h), the two halves of
 // aev_backward's own backward:
 //   aev_jvp(t)                = J t, J = d aev / d diff: the derivative of
 //                               aev_backward w.r.t. grad_aev (force training);
@@ -171,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
     const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p);
 
 #ifdef TORCHANI_FAST_CUDA
-// CUDA versions (aev_cuda_second.cu), the same math (aev_second_derivs.h), one
+// CUDA versions (aev/cuda/second_cuda.cu), the same math (aev/second_derivs.h), one
 // thread per centre atom. aev_jvp_cuda and aev_double_backward_cuda do not
 // synchronise (value errors: NaN rows / skipped terms, like aev and
 // aev_backward); aev_local_derivatives_cuda reads K back to size its outputs,
@@ -208,6 +235,9 @@ at::Tensor aev_autograd(const at::Tensor& species, const at::Tensor& pairs,
 at::Tensor aev_backward_autograd(const at::Tensor& grad_aev, const at::Tensor& species,
                                  const at::Tensor& pairs, const at::Tensor& diff_vectors,
                                  const AEVParams& p);
+at::Tensor aev_backward_edges_autograd(const at::Tensor& grad_aev, const at::Tensor& edges,
+                                       const at::Tensor& species, const at::Tensor& pairs,
+                                       const at::Tensor& diff_vectors, const AEVParams& p);
 at::Tensor aev_jvp_autograd(const at::Tensor& tangent, const at::Tensor& species,
                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
                             const AEVParams& p);
@@ -218,7 +248,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
     const at::Tensor& grad_aev, const at::Tensor& columns, const at::Tensor& species,
     const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p);
 
-// Fused ensemble networks (ensemble_cpu.cpp, CPU only; FusedEnsemble in
+// Fused ensemble networks (ensemble/ensemble_cpu.cpp, CPU only; FusedEnsemble in
 // torchani_fast/nn.py). For element groups of atoms (rows `atoms` of `aev`, in
 // consecutive runs of `sizes`), group g reading the AEV columns `columns[g]`:
 // layer-1 weights first[g] (K_g, members * d1) and, in `packs`, 2 * layers[g] - 1
@@ -226,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
 // b_l (members, 1, d_out) of the later layers (CELU(0.1) between layers, one
 // output). `panels` is empty or, float32, per group and hidden layer l, W_l as
 // (members, d_out/16, d_in, 16) and W_l^T as (members, d_in/16, d_out, 16)
-// (small_gemm.h; used on AVX2 CPUs, ignored elsewhere). `atoms` must be distinct.
+// (ensemble/gemm.h; used on AVX2 CPUs, ignored elsewhere). `atoms` must be distinct.
 // Returns values (members, aev.size(0)): each atom's output in its own column,
 // 0 for rows of aev in no group (padding); and, if input_grad, the
 // flat concatenation over groups of J_g = d(sum over members)/d(used columns),
@@ -285,7 +315,7 @@ at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& a
                                       int64_t members, int64_t molecules, int64_t divisor,
                                       bool zero_blocks_exact);
 
-// weights_state (ensemble_cpu.cpp): whether any of params requires grad, and a
+// weights_state (ensemble/ensemble_cpu.cpp): whether any of params requires grad, and a
 // fingerprint of their storages, offsets and version counters, which changes
 // when one of them is modified in place (load_state_dict, copy_, an optimizer
 // step) or given new storage (param.data = ...). FusedEnsemble drops its
@@ -307,14 +337,14 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
                                                    const c10::optional<at::Tensor>& aev,
                                                    int64_t radial_sublen, int64_t split_min_atoms);
 
-// Input validation in one pass (validate_cpu.cpp; torchani_fast/validation.py
+// Input validation in one pass (validate/validate_cpu.cpp; torchani_fast/validation.py
 // words the errors). first_invalid_atom: the flat index of the first atom with
 // species < -1, or species >= 0 and a non-finite coordinate; -1 if none.
 // convert_species: conv[atomic_nums] (TorchANI's SpeciesConverter table, -1
 // reading its last entry) and the flat index of the first atomic number that
 // is out of the table or unsupported (-1 if none; the output is then unset).
 int64_t first_invalid_atom_cpu(const at::Tensor& species, const at::Tensor& coords);
-// valid_cell (neighbors_cpu.cpp): cell (3, 3) finite and, if any pbc, not
+// valid_cell (neighbors/neighbors_cpu.cpp): cell (3, 3) finite and, if any pbc, not
 // singular by the neighbour search's own test (neighbors::singular_cell), the
 // test validation.check_cell_pbc words the error of.
 bool valid_cell_cpu(const at::Tensor& cell, const at::Tensor& pbc);

@@ -1,8 +1,8 @@
 // The CPU kernels' instruction-set level (level(), have_avx2(), have_avx512():
 // what the CPU has, capped by torchani_fast.cpu_isa()), and float32 exp and
 // log on 8 lanes (AVX2 + FMA) or 16 (AVX-512) for their hot loops: the AEV's
-// radial and angular terms (aev_cpu.cpp) and CELU (celu01: the networks'
-// products in small_gemm.h, and ensemble_cpu.cpp). glibc's scalar expf/powf
+// radial and angular terms (aev/aev_cpu.cpp) and CELU (celu01: the networks'
+// products in ensemble/gemm.h, and ensemble/ensemble_cpu.cpp). glibc's scalar expf/powf
 // cost 5-20 ns a value; these about 1 ns.
 //
 // Accuracy: exp within 2 ulp; log within 2 ulp of ln x for normal x; powers as
@@ -19,7 +19,7 @@
 #define TF_SIMD_AVX2 1
 #define TF_AVX2 __attribute__((target("avx2,fma")))
 #define TF_AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
-// The networks' matrix products (small_gemm.h) also have an AVX-512 version.
+// The networks' matrix products (ensemble/gemm.h) also have an AVX-512 version.
 #define TF_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")))
 #define TF_AVX512_INLINE \
   __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma"), always_inline)) inline

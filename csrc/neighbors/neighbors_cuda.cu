@@ -1,4 +1,4 @@
-// CUDA neighbour search: the CPU algorithm (neighbors_cpu.cpp) on the device.
+// CUDA neighbour search: the CPU algorithm (neighbors/neighbors_cpu.cpp) on the device.
 //
 // Same grid as on the CPU, built without the host: every quantity that decides
 // a size is bounded by input shapes, so nothing is read back in the default
@@ -19,8 +19,8 @@
 // the device, so a CUDA graph can capture it. neighbor_pairs_cuda (the
 // data-dependent op) reads the count back once, which is its only host sync,
 // and also reports the errors that the padded op can only encode in the count.
-#include "cuda_common.cuh"
-#include "neighbors_common.h"
+#include "common/cuda_common.cuh"
+#include "neighbors/cell_bins.h"
 #include "ops.h"
 
 #include <cmath>

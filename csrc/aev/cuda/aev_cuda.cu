@@ -1,6 +1,6 @@
 // CUDA AEV from a half neighbour list: forward and backward.
 //
-// Same half-edge scheme as the CPU kernels (aev_cpu.cpp): each kept pair
+// Same half-edge scheme as the CPU kernels (aev/aev_cpu.cpp): each kept pair
 // becomes two half edges, one owned by each atom, grouped per atom in CSR form.
 // A centre atom is handled by G warps (G = 8 for tiny systems, 1 for large
 // ones, so that small molecules still fill the GPU); inside a warp the lanes
@@ -9,8 +9,8 @@
 // every run for a given input shape.
 //
 //   build_edges        the half edges of each atom, sorted, with their vectors,
-//                      lengths and cutoffs (aev_cuda_edges.cuh, shared with the
-//                      second-derivative kernels of aev_cuda_second.cu)
+//                      lengths and cutoffs (aev/cuda/edges.cuh, shared with the
+//                      second-derivative kernels of aev/cuda/second_cuda.cu)
 //   forward_kernel     G warps per atom; radial then angular triples; the G
 //                      partial rows (shared memory) are summed in fixed order
 //   backward_kernel    G warps per atom write d(loss)/d(half edge vector) into
@@ -24,8 +24,8 @@
 // message need a sync to report, so on CUDA they poison the output instead:
 // a species outside [-1, num_species) gives that atom a NaN row, and a pair
 // index >= M*A makes the whole AEV NaN.
-#include "aev_cuda_edges.cuh"
-#include "cuda_common.cuh"
+#include "aev/cuda/edges.cuh"
+#include "common/cuda_common.cuh"
 #include "ops.h"
 
 namespace torchani_fast {
@@ -428,6 +428,20 @@ at::Tensor aev_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& speci
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return grad_diff;
+}
+
+std::tuple<at::Tensor, at::Tensor> aev_with_edges_cuda(const at::Tensor& species,
+                                                       const at::Tensor& pairs,
+                                                       const at::Tensor& diff_vectors,
+                                                       const AEVParams& p) {
+  return {aev_forward_cuda(species, pairs, diff_vectors, p),
+          at::empty({0}, diff_vectors.options().dtype(at::kByte))};
+}
+
+at::Tensor aev_backward_edges_cuda(const at::Tensor& grad_aev, const at::Tensor& /*edges*/,
+                                   const at::Tensor& species, const at::Tensor& pairs,
+                                   const at::Tensor& diff_vectors, const AEVParams& p) {
+  return aev_backward_cuda(grad_aev, species, pairs, diff_vectors, p);
 }
 
 }  // namespace torchani_fast

@@ -1,12 +1,12 @@
 // The per-atom and per-bin arithmetic of the neighbour search, written once for
-// neighbors_cpu.cpp and neighbors_cuda.cu (see neighbors_cpu.cpp for the
+// neighbors/neighbors_cpu.cpp and neighbors/neighbors_cuda.cu (see neighbors/neighbors_cpu.cpp for the
 // algorithm). Plain C++ on raw pointers, so nvcc compiles it for the device.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
-#include "host_device.h"
+#include "common/host_device.h"
 
 namespace torchani_fast {
 namespace neighbors {

@@ -1,5 +1,5 @@
-// Helpers shared by the CPU AEV kernels (aev_cpu.cpp: forward and backward;
-// aev_double_backward_cpu.cpp: second derivatives): the half-edge layout, the
+// Helpers shared by the CPU AEV kernels (aev/aev_cpu.cpp: forward and backward;
+// aev/second_cpu.cpp: second derivatives): the half-edge layout, the
 // constants in the working dtype, the cutoff and the angular triple geometry.
 #pragma once
 
@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "aev_second_derivs.h"
+#include "aev/second_derivs.h"
 #include "ops.h"
 
 namespace torchani_fast {
@@ -240,7 +240,7 @@ struct Consts {
 };
 
 // The half edges of one centre for the shared per-centre functions
-// (aev_second_derivs.h): the same neighbours as gather_neighbors, one at a time.
+// (aev/second_derivs.h): the same neighbours as gather_neighbors, one at a time.
 template <typename scalar_t>
 struct HalfEdgeView {
   const int64_t *start_, *pair_, *other_, *edge0_, *species_;

@@ -1,4 +1,4 @@
-// Matrix products of the fused networks (ensemble_cpu.cpp): few rows (at most
+// Matrix products of the fused networks (ensemble/ensemble_cpu.cpp): few rows (at most
 // one block of atoms) times one member's weights, row-major throughout.
 //
 //   panel_gemm(A, W)      = A W (+ bias, or + C; then * D, or CELU)
@@ -31,7 +31,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "simd_math.h"
+#include "common/simd_math.h"
 
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,

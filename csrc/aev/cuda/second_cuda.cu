@@ -1,9 +1,9 @@
 // CUDA second derivatives of the AEV: aev_jvp, aev_double_backward and
 // aev_local_derivatives (Hessians, force training).
 //
-// The math is aev_second_derivs.h, the same functions the CPU kernels call
-// (aev_double_backward_cpu.cpp); here one thread runs them for one centre
-// atom, over the sorted half edges of aev_cuda_edges.cuh (the layout of the
+// The math is aev/second_derivs.h, the same functions the CPU kernels call
+// (aev/second_cpu.cpp); here one thread runs them for one centre
+// atom, over the sorted half edges of aev/cuda/edges.cuh (the layout of the
 // forward and backward kernels). Every thread writes only its own atom's AEV
 // row, its own half edges and its own slots, so nothing is accumulated by
 // atomics and a given input gives the same bits on every run. The CPU walks
@@ -24,9 +24,9 @@
 // aev_local_derivatives must read its slot count K back (output shapes depend
 // on it): that one synchronisation also carries its value checks, so it
 // raises with the CPU's messages.
-#include "aev_cuda_edges.cuh"
-#include "aev_second_derivs.h"
-#include "cuda_common.cuh"
+#include "aev/cuda/edges.cuh"
+#include "aev/second_derivs.h"
+#include "common/cuda_common.cuh"
 #include "ops.h"
 
 namespace torchani_fast {
@@ -34,8 +34,8 @@ namespace {
 
 constexpr int kSecondThreads = 128;
 
-// The sorted half edges of aev_cuda_edges.cuh as an edge view of
-// aev_second_derivs.h. pair_ and other_ are only filled for the local derivatives.
+// The sorted half edges of aev/cuda/edges.cuh as an edge view of
+// aev/second_derivs.h. pair_ and other_ are only filled for the local derivatives.
 template <typename scalar_t>
 struct DeviceEdgeView {
   const int64_t* start_;

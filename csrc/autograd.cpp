@@ -74,6 +74,17 @@ at::Tensor call_aev_backward(const at::Tensor& grad_aev, const AevArgs& a) {
   return call_op(op, a, grad_aev);
 }
 
+std::tuple<at::Tensor, at::Tensor> call_aev_with_edges(const AevArgs& a) {
+  static const auto op = find_op<AevWithEdgesOp>("torchani_fast::aev_with_edges");
+  return call_op(op, a);
+}
+
+at::Tensor call_aev_backward_edges(const at::Tensor& grad_aev, const at::Tensor& edges,
+                                   const AevArgs& a) {
+  static const auto op = find_op<AevBackwardEdgesOp>("torchani_fast::aev_backward_edges");
+  return call_op(op, a, grad_aev, edges);
+}
+
 at::Tensor call_aev_jvp(const at::Tensor& tangent, const AevArgs& a) {
   static const auto op = find_op<AevBackwardOp>("torchani_fast::aev_jvp");
   return call_op(op, a, tangent);
@@ -114,7 +125,7 @@ class AevFunction<D, AevOp<at::Tensor, Lead...>>
     tensor_list saved{lead...};
     saved.resize(D::kSavedLead);
     save_aev_args(ctx, saved, a);
-    return D::call(a, lead...);
+    return D::call(ctx, a, lead...);
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
@@ -138,38 +149,57 @@ class AevFunction<D, AevOp<at::Tensor, Lead...>>
 // In every backward below, `w` is the incoming gradient and `out` is indexed in
 // schema order (leading tensors, then species, pairs, diff, ...).
 
-// aev(diff): its backward is aev_backward(w).
+// aev(diff): its backward is aev_backward(w). The forward's half edges travel
+// to it in the context: aev_with_edges returns their handle (an empty tensor
+// where none are kept), aev_backward_edges reads it (ops.h).
 struct AevDerivs {
   static constexpr size_t kSavedLead = 0;
-  static at::Tensor call(const AevArgs& a) { return call_aev(a); }
+  static at::Tensor call(AutogradContext* ctx, const AevArgs& a) {
+    if (!a.t[2].requires_grad()) return call_aev(a);
+    auto [aev, edges] = call_aev_with_edges(a);
+    ctx->saved_data["edges"] = edges;
+    return aev;
+  }
   static void backward(AutogradContext* ctx, const tensor_list&, const at::Tensor& w,
                        const AevArgs& a, tensor_list& out) {
-    if (ctx->needs_input_grad(2)) out[2] = call_aev_backward(w, a);
+    if (!ctx->needs_input_grad(2)) return;
+    auto edges = ctx->saved_data.find("edges");
+    out[2] = edges == ctx->saved_data.end() ? call_aev_backward(w, a)
+                                            : call_aev_backward_edges(w, edges->second.toTensor(), a);
   }
 };
 
 // aev_backward(g, diff) = J(diff)^T g. Its backward, for an incoming w (P, 3):
 //   d/d g    <w, J^T g> = J w                          -> aev_jvp(w)
 //   d/d diff <w, J^T g> = (sum_f g_f Hess aev_f) w     -> aev_double_backward(g, w)
-struct AevBackwardDerivs {
+// aev_backward_edges is the same function (its handle only saves work), so its
+// derivatives are too, with diff one place further (kDiff).
+template <size_t kDiff>
+struct AevBackwardDerivsAt {
   static constexpr size_t kSavedLead = 1;
-  static at::Tensor call(const AevArgs& a, const at::Tensor& grad_aev) {
+  static at::Tensor call(AutogradContext*, const AevArgs& a, const at::Tensor& grad_aev) {
     return call_aev_backward(grad_aev, a);
+  }
+  static at::Tensor call(AutogradContext*, const AevArgs& a, const at::Tensor& grad_aev,
+                         const at::Tensor& edges) {
+    return call_aev_backward_edges(grad_aev, edges, a);
   }
   static void backward(AutogradContext* ctx, const tensor_list& saved, const at::Tensor& w,
                        const AevArgs& a, tensor_list& out) {
     const at::Tensor& grad_aev = saved[0];
     if (ctx->needs_input_grad(0)) out[0] = call_aev_jvp(w, a).view(grad_aev.sizes());
-    if (ctx->needs_input_grad(3)) out[3] = call_aev_double_backward(grad_aev, w, a);
+    if (ctx->needs_input_grad(kDiff)) out[kDiff] = call_aev_double_backward(grad_aev, w, a);
   }
 };
+using AevBackwardDerivs = AevBackwardDerivsAt<3>;
+using AevBackwardEdgesDerivs = AevBackwardDerivsAt<4>;
 
 // aev_jvp(t, diff) = J(diff) t. For an incoming w (shape of the AEV):
 //   d/d t    <w, J t> = J^T w                          -> aev_backward(w)
 //   d/d diff <w, J t> = (sum_f w_f Hess aev_f) t       -> aev_double_backward(w, t)
 struct AevJvpDerivs {
   static constexpr size_t kSavedLead = 1;
-  static at::Tensor call(const AevArgs& a, const at::Tensor& tangent) {
+  static at::Tensor call(AutogradContext*, const AevArgs& a, const at::Tensor& tangent) {
     return call_aev_jvp(tangent, a);
   }
   static void backward(AutogradContext* ctx, const tensor_list& saved, const at::Tensor& w,
@@ -185,7 +215,8 @@ struct AevJvpDerivs {
 // Only g is saved.
 struct AevDoubleBackwardDerivs {
   static constexpr size_t kSavedLead = 1;
-  static at::Tensor call(const AevArgs& a, const at::Tensor& grad_aev, const at::Tensor& tangent) {
+  static at::Tensor call(AutogradContext*, const AevArgs& a, const at::Tensor& grad_aev,
+                         const at::Tensor& tangent) {
     return call_aev_double_backward(grad_aev, tangent, a);
   }
   static void backward(AutogradContext* ctx, const tensor_list& saved, const at::Tensor& w,
@@ -477,6 +508,13 @@ at::Tensor aev_backward_autograd(const at::Tensor& grad_aev, const at::Tensor& s
                                  const AEVParams& p) {
   return AevFunction<AevBackwardDerivs, AevBackwardOp>::kernel(grad_aev, species, pairs,
                                                                diff_vectors, p);
+}
+
+at::Tensor aev_backward_edges_autograd(const at::Tensor& grad_aev, const at::Tensor& edges,
+                                       const at::Tensor& species, const at::Tensor& pairs,
+                                       const at::Tensor& diff_vectors, const AEVParams& p) {
+  return AevFunction<AevBackwardEdgesDerivs, AevBackwardEdgesOp>::kernel(grad_aev, edges, species,
+                                                                         pairs, diff_vectors, p);
 }
 
 at::Tensor aev_jvp_autograd(const at::Tensor& tangent, const at::Tensor& species,

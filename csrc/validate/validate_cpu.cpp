@@ -6,6 +6,8 @@
 
 #include <cmath>
 
+#include "neighbors/cell_bins.h"
+#include "neighbors/read_cell.h"
 #include "ops.h"
 
 namespace torchani_fast {
@@ -64,6 +66,20 @@ std::tuple<at::Tensor, int64_t> convert_species_cpu(const at::Tensor& atomic_num
   const int64_t bad =
       z.scalar_type() == at::kLong ? run(z.data_ptr<int64_t>()) : run(z.data_ptr<int32_t>());
   return {out, bad};
+}
+
+bool valid_cell_cpu(const at::Tensor& cell, const at::Tensor& pbc) {
+  TORCH_CHECK(cell.dim() == 2 && cell.size(0) == 3 && cell.size(1) == 3,
+              "valid_cell: cell must be (3, 3), got ", cell.sizes());
+  TORCH_CHECK(pbc.numel() == 3 && pbc.scalar_type() == at::kBool,
+              "valid_cell: pbc must be 3 bools, got ", pbc.sizes(), " ", pbc.scalar_type());
+  double C[9];
+  neighbors::read_cell(cell, C);
+  for (double v : C)
+    if (!std::isfinite(v)) return false;
+  const at::Tensor p = pbc.contiguous();
+  const bool* pp = p.data_ptr<bool>();
+  return !(pp[0] || pp[1] || pp[2]) || !neighbors::singular_cell(C, neighbors::cell_determinant(C));
 }
 
 }  // namespace torchani_fast

@@ -24,6 +24,10 @@ constexpr const char* kPairVectorsBackward =
 constexpr const char* kAev = "aev(" TORCHANI_FAST_AEV_ARGS ") -> Tensor";
 constexpr const char* kAevBackward = "aev_backward(Tensor grad_aev, " TORCHANI_FAST_AEV_ARGS
                                      ") -> Tensor";
+constexpr const char* kAevWithEdges =
+    "aev_with_edges(" TORCHANI_FAST_AEV_ARGS ") -> (Tensor aev, Tensor edges)";
+constexpr const char* kAevBackwardEdges =
+    "aev_backward_edges(Tensor grad_aev, Tensor edges, " TORCHANI_FAST_AEV_ARGS ") -> Tensor";
 constexpr const char* kAevJvp = "aev_jvp(Tensor tangent, " TORCHANI_FAST_AEV_ARGS ") -> Tensor";
 constexpr const char* kAevDoubleBackward =
     "aev_double_backward(Tensor grad_aev, Tensor tangent, " TORCHANI_FAST_AEV_ARGS ") -> Tensor";

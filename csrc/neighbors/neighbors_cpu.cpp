@@ -20,9 +20,10 @@
 #include <cmath>
 #include <vector>
 
-#include "neighbors_common.h"
+#include "neighbors/cell_bins.h"
+#include "neighbors/read_cell.h"
 #include "ops.h"
-#include "simd_math.h"
+#include "common/simd_math.h"
 
 namespace torchani_fast {
 namespace {
@@ -357,16 +358,6 @@ void check_neighbor_inputs(const char* op, const at::Tensor& species, const at::
 }
 
 namespace {
-// The (3, 3) cell, any float dtype and strides, into C (row-major double): no
-// ATen op.
-void read_cell(const at::Tensor& cell, double* C) {
-  AT_DISPATCH_FLOATING_TYPES(cell.scalar_type(), "read_cell", [&] {
-    const auto c = cell.accessor<scalar_t, 2>();
-    for (int i = 0; i < 3; ++i)
-      for (int j = 0; j < 3; ++j) C[3 * i + j] = static_cast<double>(c[i][j]);
-  });
-}
-
 std::tuple<at::Tensor, at::Tensor> search_cpu(const char* op, const at::Tensor& species,
                                               const at::Tensor& coords,
                                               const c10::optional<at::Tensor>& cell,
@@ -376,7 +367,7 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const char* op, const at::Tensor& 
   double cell_d[9];
   bool pbc_h[3] = {false, false, false};
   if (cell.has_value()) {
-    read_cell(*cell, cell_d);
+    neighbors::read_cell(*cell, cell_d);
     auto pbc_c = pbc->contiguous();
     for (int a = 0; a < 3; ++a) pbc_h[a] = pbc_c.data_ptr<bool>()[a];
     const double det = neighbors::cell_determinant(cell_d);
@@ -399,20 +390,6 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const char* op, const at::Tensor& 
   return {pairs, images};
 }
 }  // namespace
-
-bool valid_cell_cpu(const at::Tensor& cell, const at::Tensor& pbc) {
-  TORCH_CHECK(cell.dim() == 2 && cell.size(0) == 3 && cell.size(1) == 3,
-              "valid_cell: cell must be (3, 3), got ", cell.sizes());
-  TORCH_CHECK(pbc.numel() == 3 && pbc.scalar_type() == at::kBool,
-              "valid_cell: pbc must be 3 bools, got ", pbc.sizes(), " ", pbc.scalar_type());
-  double C[9];
-  read_cell(cell, C);
-  for (double v : C)
-    if (!std::isfinite(v)) return false;
-  const at::Tensor p = pbc.contiguous();
-  const bool* pp = p.data_ptr<bool>();
-  return !(pp[0] || pp[1] || pp[2]) || !neighbors::singular_cell(C, neighbors::cell_determinant(C));
-}
 
 std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cpu(
     const at::Tensor& species, const at::Tensor& coords,

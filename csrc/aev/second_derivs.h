@@ -1,6 +1,6 @@
 // The math of the AEV's second derivatives, written once for both backends:
-// aev_double_backward_cpu.cpp calls these functions from at::parallel_for, and
-// aev_cuda_second.cu from CUDA kernels (one thread per centre atom). Plain C++
+// aev/second_cpu.cpp calls these functions from at::parallel_for, and
+// aev/cuda/second_cuda.cu from CUDA kernels (one thread per centre atom). Plain C++
 // on raw pointers (no ATen, no std::vector, no exceptions), so nvcc can
 // compile every function for the device: TF_HOST_DEVICE is __host__ __device__
 // under nvcc and nothing for the host compiler.
@@ -25,8 +25,8 @@
 // masked to zero, as in the first-derivative kernels, so no NaN appears.
 //
 // The per-centre functions take an edge view `h` for the half edges of the
-// backend's own layout (aev_cpu_common.h on the CPU, the sorted half edges of
-// aev_cuda.cu on CUDA):
+// backend's own layout (aev/half_edges.h on the CPU, the sorted half edges of
+// aev/cuda/aev_cuda.cu on CUDA):
 //   h.begin(i), h.end(i)   the half edges owned by atom i (a contiguous range)
 //   h.neighbor(e)          Neighbor: centre-to-neighbour vector, r, species, e
 //   h.other(e), h.pair(e)  neighbour atom and pair index (local_slots_center only)
@@ -38,7 +38,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "host_device.h"
+#include "common/host_device.h"
 
 namespace torchani_fast {
 namespace aev_math {
@@ -66,7 +66,7 @@ constexpr double kPi = 3.14159265358979323846;
 // sin^2(e) = e^2 to working precision, e = pi (rc - r) / (2 rc): so a neighbour
 // inside the cutoff never leaves its AEV terms exactly 0, and an AEV block that
 // is 0 means that the atom has no such neighbours, as FusedEnsemble's
-// rare-element split assumes. (rc - r is exact there.) SIMD copy: aev_cpu.cpp.
+// rare-element split assumes. (rc - r is exact there.) SIMD copy: aev/aev_cpu.cpp.
 template <typename scalar_t>
 TF_HOST_DEVICE inline scalar_t cutoff_tail(scalar_t fc, scalar_t r, scalar_t rc) {
   if (fc != scalar_t(0) || !(r < rc)) return fc;

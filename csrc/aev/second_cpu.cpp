@@ -1,12 +1,12 @@
 // CPU second derivatives of the AEV: the two halves of aev_backward's backward,
 // and the per-atom derivatives from which whole Hessians are assembled.
 //
-// The math (per pair and per centre atom) is in aev_second_derivs.h, shared
-// with the CUDA kernels (aev_cuda_second.cu); this file builds the CPU
-// half-edge layout (aev_cpu_common.h), runs the per-centre functions over the
+// The math (per pair and per centre atom) is in aev/second_derivs.h, shared
+// with the CUDA kernels (aev/cuda/second_cuda.cu); this file builds the CPU
+// half-edge layout (aev/half_edges.h), runs the per-centre functions over the
 // atoms with at::parallel_for and gathers the results.
 //
-// Same layout as aev_cpu.cpp: pairs become half edges owned by one atom, each
+// Same layout as aev/aev_cpu.cpp: pairs become half edges owned by one atom, each
 // atom's AEV row depends only on its own half edges, so the loop over centre
 // atoms writes disjoint outputs (no atomics, same bits for any thread count).
 // Triples and radial terms whose half edges all have a zero direction
@@ -18,8 +18,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "aev_cpu_common.h"
-#include "simd_math.h"
+#include "aev/half_edges.h"
+#include "common/simd_math.h"
 
 namespace torchani_fast {
 

@@ -1,6 +1,6 @@
 // The half-edge layout of the CUDA AEV kernels, built on the device without a
-// host synchronisation: shared by aev_cuda.cu (forward, backward) and
-// aev_cuda_second.cu (second derivatives). Included by .cu files only; its
+// host synchronisation: shared by aev/cuda/aev_cuda.cu (forward, backward) and
+// aev/cuda/second_cuda.cu (second derivatives). Included by .cu files only; its
 // contents have internal linkage (each file gets its own copy of the kernels).
 //
 //   edge_count_kernel  thread per pair: keep? (index >= 0, species >= 0,
@@ -14,8 +14,8 @@
 //                      r, cutoff values and neighbour species per half edge
 #pragma once
 
-#include "aev_second_derivs.h"
-#include "cuda_common.cuh"
+#include "aev/second_derivs.h"
+#include "common/cuda_common.cuh"
 #include "ops.h"
 
 namespace torchani_fast {

@@ -426,13 +426,13 @@ def test_recomputing_path_matches_torchani(dtype, device, recompute_calls, nativ
             grads.append(torch.autograd.grad(reduce(model((species, x), **kwargs).energies), x)[0])
         assert_forces(grads[1], grads[0], dtype)
     # Rare-element split (1hz5: 973 atoms, one S) and chunks of atoms.
-    torchani_fast.nn.RECOMPUTE_CHUNK_ATOMS, chunk = 100, torchani_fast.nn.RECOMPUTE_CHUNK_ATOMS
+    torchani_fast.nn.recompute.RECOMPUTE_CHUNK_ATOMS, chunk = 100, torchani_fast.nn.recompute.RECOMPUTE_CHUNK_ATOMS
     try:
         species, coords = (t.to(device) for t in padded_batch(["1hz5.xyz"], dtype, empty_row=False))
         e_ref, f_ref = energy_forces(ref, species, coords)
         e, f = energy_forces(fast, species, coords)
     finally:
-        torchani_fast.nn.RECOMPUTE_CHUNK_ATOMS = chunk
+        torchani_fast.nn.recompute.RECOMPUTE_CHUNK_ATOMS = chunk
     assert_energies(e, e_ref, dtype)
     assert_forces(f, f_ref, dtype)
     # Without forces (no grad) nothing needs keeping: the usual path.

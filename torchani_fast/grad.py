@@ -34,7 +34,7 @@ from torchani.tuples import EnergiesForcesHessians
 
 from . import ops
 from .aev import AEVComputer
-from .nn import _linears, aev_columns
+from .nn import aev_columns, linears as _linears
 
 __all__ = ["energies_forces_and_hessians", "hessians_supported"]
 

@@ -1,0 +1,762 @@
+"""The fused networks modules: every member of an ANI ensemble evaluated at once.
+
+How they work (the C++ op, zero blocks and chunks, packing and its caches,
+training, backward passes): docs/design.md.
+"""
+import typing as tp
+
+import torch
+from torch import Tensor
+from torch.jit import Final
+from torchani.nn import ANINetworks, AtomicContainer, Ensemble
+
+from .grouping import aten_composition_groups, aten_groups, composition_groups, groups
+from .layout import (_aev_layout, _bitmask, _Layout, _zero_blocks_mean_no_neighbors, aev_columns,
+                     linears as _linears, unsupported_reason)
+from .packing import OpArgs, _NativePlan, _panel_pair, _watch_linear
+from .recompute import (RECOMPUTE_MIN_BYTES, RECOMPUTE_MIN_BYTES_GPU, _device_budget, _mlp_values,
+                        _Recompute)
+
+__all__ = ["FusedEnsemble", "FusedNetworks", "fuse_networks"]
+
+MAX_FIRST_LAYER_PACKS = 32
+SPLIT_MIN_ATOMS = 64  # smallest group of atoms worth a second layer-1 GEMM
+# Up to this many atoms of one element, layer 1 runs as a batched GEMM over the
+# members (x broadcast, the packed weights viewed per member) rather than one wide
+# GEMM: 1.4-2x faster there on the CPU (MKL splits the batch across threads).
+SMALL_GROUP_ATOMS = 256
+
+
+class _FusedBase(AtomicContainer):
+    """Shared evaluation; the subclasses only differ in how members are registered.
+
+    Not built directly: use :func:`fuse_networks` or ``FusedEnsemble.from_torchani``.
+    """
+
+    __jit_ignored_attributes__ = ["_eager_cache", "_native_plans", "_params_watch", "_params_replaced"]
+
+    is_ensemble: Final[bool]
+    max_first_layer_packs: int
+    split_min_atoms: int
+    zero_blocks_exact: bool
+    recompute_min_bytes: int
+    recompute_min_bytes_gpu: int
+    small_group_atoms: int
+    native_cpu: bool  # CPU calls use the C++ ops ensemble_atomic / ensemble_energies (module doc)
+    num_layers: tp.List[int]  # per element: number of Linear layers (hidden + final)
+    hidden_widths: tp.List[int]  # per element: sum of the hidden layers' widths
+    offsets: tp.List[int]  # per element: first index of its packs in the hidden entry
+    in_dim: int
+    radial_sublen: int  # R, or 0 when the AEV layout is unknown (no column skipping)
+    angular_sublen: int  # W
+    triu: tp.List[tp.List[int]]  # triu_index as nested lists
+    # Every member's parameters in [member][element][W1, b1, W2, b2, ...] order. A
+    # plain list of the parameter tensors themselves (so it follows requires_grad,
+    # .to() and load_state_dict, also through jit.save/load): scripted code reads
+    # it instead of walking 8 x 7 x 4 modules, which would unroll into ~1400 nodes.
+    _flat_params: tp.List[Tensor]
+    params_per_member: int
+    param_offsets: tp.List[int]  # per element: index of its W1 within a member
+    _weights_fingerprint: int  # weights_state of _flat_params when the cache was last checked
+
+    def _init_layout(self, aev_computer: tp.Optional[torch.nn.Module]) -> None:
+        atomics = self._member_atomics()[0]
+        self.num_species = len(atomics)
+        self.num_layers = [len(a.layers) + 1 for a in atomics]
+        self.offsets = []
+        off = 0
+        for n in self.num_layers:
+            self.offsets.append(off)
+            off += 2 * n - 1  # b1, then (W_l, b_l) for l = 2..n
+        self.param_offsets = []
+        off = 0
+        for n in self.num_layers:
+            self.param_offsets.append(off)
+            off += 2 * n
+        self.params_per_member = off
+        self._refresh_params()
+        self.in_dim = int(_linears(atomics[0])[0].in_features)
+        self.radial_sublen, self.angular_sublen, self.triu = _aev_layout(
+            aev_computer, self.num_species, self.in_dim
+        )
+        self.max_first_layer_packs = MAX_FIRST_LAYER_PACKS
+        # A zero AEV block means "no such neighbours" (zero derivative too): true
+        # of torchani_fast's AEV, not of TorchANI's (module doc). The rare-element
+        # split and the CPU op's skipping in the backward rely on it.
+        self.zero_blocks_exact = _zero_blocks_mean_no_neighbors(aev_computer)
+        self.split_min_atoms = SPLIT_MIN_ATOMS
+        self.recompute_min_bytes = RECOMPUTE_MIN_BYTES
+        self.recompute_min_bytes_gpu = RECOMPUTE_MIN_BYTES_GPU
+        self.small_group_atoms = SMALL_GROUP_ATOMS
+        self.native_cpu = True
+        self.hidden_widths = [sum(int(lin.out_features) for lin in _linears(a)[:-1]) for a in atomics]
+        w = _linears(atomics[0])[0].weight
+        # Follows the parameters through .to()/.double(): the cache is checked against it.
+        self.register_buffer("_probe", torch.zeros(0, dtype=w.dtype, device=w.device), persistent=False)
+        self._jit_cache = torch.classes.torchani_fast.PackCache()  # the cache of a scripted module
+        self._weights_fingerprint = -1
+        self._eager_cache = {}  # the cache of the eager module (invisible to TorchScript)
+        self._native_plans = {}  # eager CPU: the op's arguments per (members, groups), see _native_plan
+
+    # -- TorchANI AtomicContainer interface -----------------------------------------
+
+    def forward(
+        self,
+        elem_idxs: Tensor,
+        aevs: tp.Optional[Tensor] = None,
+        atomic: bool = False,
+        ensemble_values: bool = False,
+    ) -> Tensor:
+        """Energies from AEVs, with TorchANI's ``Ensemble``/``ANINetworks`` shapes.
+
+        Parameters
+        ----------
+        elem_idxs : Tensor, long, (M, A)
+            Element indices (0 .. num_species-1); -1 marks padding (energy 0).
+        aevs : Tensor, (M, A, in_dim)
+            AEVs in the parameters' dtype.
+        atomic : bool
+            Return per-atom energies instead of their sum over atoms.
+        ensemble_values : bool
+            Keep the member axis first instead of averaging (ensembles only; a
+            single network ignores it, like ``ANINetworks``).
+
+        Returns
+        -------
+        Tensor, Hartree: (M,), (M, A), (members, M) or (members, M, A).
+        """
+        assert aevs is not None, "aevs is required"
+        assert elem_idxs.shape == aevs.shape[:-1], "elem_idxs must be (M, A) and aevs (M, A, F)"
+        reduce = not atomic and not (ensemble_values and self.is_ensemble)
+        values = self._member_atomic(elem_idxs.flatten(), aevs.flatten(0, 1),
+                                     elem_idxs.shape[0] if reduce else 0)
+        return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], atomic, ensemble_values)
+
+    def _reduce(self, values: Tensor, molecules: int, atoms: int, atomic: bool, ensemble_values: bool) -> Tensor:
+        """``forward``'s output from the members' atomic energies (k, M*A); energies
+        (M,) that the CPU op already reduced (1-D) are returned as they are."""
+        if values.dim() == 1:
+            return values
+        values = values.view(values.shape[0], molecules, atoms)
+        if not self.is_ensemble:
+            return values[0] if atomic else values[0].sum(1)
+        n_active = len(self.active_members_idxs)
+        if ensemble_values:
+            if not atomic:
+                values = values.sum(2)
+            if values.shape[0] < n_active:
+                # A repeated index in set_active_members: TorchANI evaluates each
+                # member once and leaves the extra rows zero.
+                shape = [n_active - values.shape[0]]
+                for d in values.shape[1:]:
+                    shape.append(d)
+                values = torch.cat([values, values.new_zeros(shape)])
+            return values
+        if atomic:
+            return values.sum(0) / n_active
+        return values.sum(2).sum(0) / n_active
+
+    @torch.jit.export
+    def set_active_members(self, idxs: tp.List[int]) -> None:
+        """Average over (or return) only these members; any subset, in any order."""
+        for idx in idxs:
+            if not (0 <= idx < self.total_members_num):
+                raise IndexError(f"Idx {idx} should be 0 <= idx < {self.total_members_num}")
+        self.active_members_idxs = idxs
+        self.clear_cache()
+
+    @torch.jit.export
+    def get_active_members_num(self) -> int:
+        return len(self.active_members_idxs)
+
+    @torch.jit.export
+    def clear_cache(self) -> None:
+        """Drop the packed weights; they are rebuilt from the parameters on the next call.
+
+        Needed only after writes through ``.data`` (``p.data.add_(x)``): every
+        other in-place change or new storage of a parameter is detected by the
+        next call; ``load_state_dict`` and ``.to()`` clear it.
+        ``torch.jit.save`` and copies never carry the cache (a scripted module
+        keeps it in a ``torch.classes.torchani_fast.PackCache``, which pickles as
+        empty): a saved ANI-2x is the size of TorchANI's file (55 MB) after any call.
+        """
+        if torch.jit.is_scripting():
+            self._jit_cache.dict().clear()
+        else:
+            self._eager_clear()
+
+    @torch.jit.unused
+    def to_infer_model(self, use_mnp: bool = False) -> AtomicContainer:
+        """Already the inference form: returns ``self``."""
+        return self
+
+    # -- evaluation -------------------------------------------------------------------
+
+    def _member_atomic(self, flat: Tensor, aev: Tensor, molecules: int = 0) -> Tensor:
+        """Atomic energies (members, M*A) of the distinct active members, in index order.
+
+        With ``molecules`` > 0 the CPU op may instead return the energies
+        (molecules,) that ``_reduce`` would make of them (then 1-D).
+        """
+        k = len(self._evaluated_members())
+        if k == 0:
+            return aev.new_zeros((0, flat.shape[0]))
+        atoms, group_elem, group_mask, group_size = self._groups(flat, aev)
+        if len(group_size) == 0:
+            return aev.new_zeros((k, flat.shape[0]))
+        return self._grouped_atomic(flat.shape[0], aev, atoms, group_elem, group_mask, group_size,
+                                    molecules)
+
+    def _grouped_atomic(
+        self, num_atoms: int, aev: Tensor, atoms: Tensor, group_elem: tp.List[int],
+        group_mask: tp.List[int], group_size: tp.List[int], molecules: int = 0,
+    ) -> Tensor:
+        """``_member_atomic`` once the groups are known: no host synchronisation."""
+        act = self._evaluated_members()
+        k = len(act)
+        if aev.device.type == "cpu" and self.native_cpu:
+            args = self._native_args(act, group_elem, group_mask)
+            if args is not None:
+                # The C++ kernels through ensemble_atomic / ensemble_energies,
+                # whose autograd is in C++ (a scripted model loaded without
+                # Python differentiates too).
+                columns, first, packs, panels, layers = args
+                if molecules > 0:
+                    divisor = len(self.active_members_idxs) if self.is_ensemble else 1
+                    return torch.ops.torchani_fast.ensemble_energies(
+                        aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k,
+                        molecules, divisor, self.zero_blocks_exact)
+                return torch.ops.torchani_fast.ensemble_atomic(
+                    aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k,
+                    self.zero_blocks_exact)
+        ws: tp.List[tp.List[tp.List[Tensor]]] = []
+        training = self._check_weights()
+        if training:
+            # Differentiable packing on every call, nothing cached: exact weight
+            # gradients, and an optimizer step is seen by the next call. Packs
+            # cached before training began would be stale once it ends: dropped.
+            self._cache().clear()
+            if not torch.jit.is_scripting():
+                self._eager_plans_clear()
+            ws = self._member_weights()
+            hidden = self._pack_hidden(ws, act)
+        else:
+            hidden = self._cached_hidden(act)
+        if not training and self._recompute(aev, group_elem, group_size, k):
+            return self._eager_recompute(aev, atoms, hidden, act, group_elem, group_mask, group_size)
+        out = aev.new_zeros((k, num_atoms))
+        xs = aev.index_select(0, atoms).split(group_size)
+        outs: tp.List[Tensor] = []
+        for g in range(len(group_size)):
+            e = group_elem[g]
+            if training:
+                first = self._pack_first(ws, act, e, group_mask[g])
+            else:
+                first = self._cached_first(act, e, group_mask[g])
+            cols = first[0]
+            x = xs[g] if cols.shape[0] == aev.shape[1] else xs[g].index_select(1, cols)
+            o = self.offsets[e]
+            packs = hidden[o:o + 2 * self.num_layers[e] - 1]
+            outs.append(_mlp_values(x, first[1], packs, k, self.small_group_atoms)[0])
+        return out.index_copy(1, atoms, torch.cat(outs, 1))
+
+    def _recompute(self, aev: Tensor, group_elem: tp.List[int], group_size: tp.List[int], k: int) -> bool:
+        """Whether ``_eager_recompute`` evaluates the groups: large inputs with
+        gradient, whose activations would exceed the budget (see the module doc)."""
+        if torch.jit.is_scripting():
+            return False
+        if not (aev.requires_grad and torch.is_grad_enabled()):
+            return False
+        saved = 0
+        for g in range(len(group_size)):
+            saved += group_size[g] * k * self.hidden_widths[group_elem[g]]
+        limit = self.recompute_min_bytes if aev.device.type == "cpu" else self._gpu_budget(aev.device)
+        return saved * aev.element_size() > limit
+
+    @torch.jit.unused
+    def _gpu_budget(self, device: torch.device) -> int:
+        """``recompute_min_bytes_gpu``, or for -1 (the default) an eighth of the
+        device's memory (1 GiB where torch does not report it)."""
+        if self.recompute_min_bytes_gpu >= 0:
+            return self.recompute_min_bytes_gpu
+        return _device_budget(device)
+
+    @torch.jit.unused
+    def _eager_recompute(
+        self, aev: Tensor, atoms: Tensor, hidden: tp.List[Tensor], act: tp.List[int],
+        group_elem: tp.List[int], group_mask: tp.List[int], group_size: tp.List[int],
+    ) -> Tensor:
+        """Values (k, atoms) of the groups by ``_Recompute`` in PyTorch, keeping no activations."""
+        args = self._op_args(act, group_elem, group_mask, hidden, False)
+        return _Recompute.apply(aev, atoms, group_size, args, len(act), self.small_group_atoms)
+
+    def _native_args(self, act: tp.List[int], group_elem: tp.List[int],
+                     group_mask: tp.List[int]) -> tp.Optional[OpArgs]:
+        """The op's weight arguments for these groups, or None while a parameter
+        they come from requires grad: training takes the PyTorch path, which
+        packs on every call (an optimizer step changes the weights in place,
+        unseen by the cache), with or without grad mode."""
+        if torch.jit.is_scripting():
+            if self._check_weights():
+                return None
+            return self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True)
+        return self._native_plan(act, group_elem, group_mask)
+
+    @torch.jit.unused
+    def _native_plan(self, act: tp.List[int], group_elem: tp.List[int],
+                     group_mask: tp.List[int]) -> tp.Optional[OpArgs]:
+        """``_native_args`` of an eager module: cached per (members, groups) (a
+        call with a composition seen before costs one dict lookup here), with
+        the weights check (``weights_state``) on the parameters they come from only."""
+        key = (_bitmask(act), tuple(group_elem), tuple(group_mask))
+        plan = self._native_plans.get(key)
+        if plan is not None and not self._params_replaced and not self._stale(plan.op_args[1][0]):
+            requires_grad, fingerprint = plan.watch.state()
+            if not requires_grad and fingerprint == plan.fingerprint:
+                return plan.op_args
+        # A new plan, or one whose parameters changed or require grad: check all
+        # of them, which drops every pack and plan if any changed since.
+        if self._check_weights():
+            return None  # nothing built or cached: the weights may change in place
+        per_member = self._member_weights()
+        watch = torch.classes.torchani_fast.WeightsWatch(
+            [p for j in act for e in set(group_elem) for p in per_member[j][e]])
+        with torch.inference_mode(False):  # panels usable by later calls with forces
+            plan = _NativePlan(self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True),
+                               watch, watch.state()[1])
+        if len(self._native_plans) >= self.max_first_layer_packs:
+            self._native_plans.pop(next(iter(self._native_plans)))  # the oldest
+        self._native_plans[key] = plan
+        return plan.op_args
+
+    def _op_args(self, act: tp.List[int], group_elem: tp.List[int], group_mask: tp.List[int],
+                 hidden: tp.List[Tensor], with_panels: bool) -> OpArgs:
+        """(columns, first, packs, panels, layers) of these groups, as ``ensemble_mlp``
+        takes them. Panels only when asked for, float32 and every width a multiple
+        of 16; else an empty list."""
+        columns: tp.List[Tensor] = []
+        first: tp.List[Tensor] = []
+        packs: tp.List[Tensor] = []
+        panels: tp.List[Tensor] = []
+        layers: tp.List[int] = []
+        use_panels = with_panels and self._probe.dtype == torch.float32
+        for g in range(len(group_elem)):
+            e = group_elem[g]
+            cached = self._cached_first(act, e, group_mask[g])
+            o = self.offsets[e]
+            hidden_e = hidden[o:o + 2 * self.num_layers[e] - 1]
+            columns.append(cached[0])
+            first.append(cached[1])
+            packs.extend(hidden_e)
+            layers.append(self.num_layers[e])
+            if use_panels:
+                group_panels = self._panels(act, e, cached, hidden_e)
+                if group_panels is None:
+                    use_panels = False
+                else:
+                    panels.extend(group_panels)
+        if not use_panels:
+            panels = []
+        return (columns, first, packs, panels, layers)
+
+    def _panels(self, act: tp.List[int], elem: int, first: tp.List[Tensor],
+                hidden_e: tp.List[Tensor]) -> tp.Optional[tp.List[Tensor]]:
+        """float32 panel copies of one group's hidden-layer weights for ensemble_mlp, cached.
+
+        Per hidden layer, W as (k, d_out/16, d_in, 16) and W^T as (k, d_in/16,
+        d_out, 16): 16-column panels, each contiguous (csrc/ensemble/gemm.h).
+        Layer 1's are kept in its cache entry (``first``), the later layers'
+        under a key of their own. None if a width is not a multiple of 16.
+        """
+        k = len(act)
+        w1 = first[1]
+        if w1.shape[0] % 16 != 0 or (w1.shape[1] // k) % 16 != 0:
+            return None
+        for l in range(1, len(hidden_e) - 2, 2):  # W_2 .. W_{L-1}: (k, d_in, d_out)
+            if hidden_e[l].shape[2] % 16 != 0:
+                return None
+        if len(first) == 2:
+            first.extend(_panel_pair(w1.view(w1.shape[0], k, -1).transpose(0, 1)))
+        cache = self._cache()
+        key = -(1 << 40) * (elem + 1) - _bitmask(act)
+        later = cache.get(key)
+        if later is None:
+            built: tp.List[Tensor] = []
+            for l in range(1, len(hidden_e) - 2, 2):
+                built.extend(_panel_pair(hidden_e[l]))
+            cache[key] = built
+            later = built
+        return first[2:4] + later
+
+    @torch.jit.unused
+    def fixed_groups(self, elem_idxs: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
+        """The grouping of these atoms by element, for :meth:`energies_fixed` (one host sync).
+
+        For loops over geometries of one system (MD, optimisation), where the
+        elements never change: with the groups computed once, an evaluation has
+        no host synchronisation and can be captured in a CUDA graph.
+        """
+        return self._composition_groups(elem_idxs.flatten())
+
+    @torch.jit.unused
+    def energies_fixed(
+        self, elem_idxs: Tensor, aevs: Tensor,
+        groups: tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]],
+    ) -> Tensor:
+        """Energies (M,) like ``forward(elem_idxs, aevs)``, with groups from :meth:`fixed_groups`."""
+        atoms, elems, masks, sizes = groups
+        num_atoms = elem_idxs.numel()
+        k = len(self._evaluated_members())
+        if k == 0 or not sizes:
+            values = aevs.new_zeros((k, num_atoms))
+        else:
+            values = self._grouped_atomic(num_atoms, aevs.flatten(0, 1), atoms, elems, masks, sizes,
+                                          elem_idxs.shape[0])
+        return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], False, False)
+
+    def _composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
+        """One group per element present, all reading every present block (grouping.py)."""
+        return composition_groups(flat, self.num_species, self.radial_sublen, self._split_min_atoms())
+
+    def _aten_composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
+        return aten_composition_groups(flat, self.num_species)
+
+    def _groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
+        """How atoms are grouped for layer 1 (grouping.py: ``groups``)."""
+        return groups(flat, aev, self.num_species, self.radial_sublen, self._split_min_atoms())
+
+    def _aten_groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
+        return aten_groups(flat, aev, self.num_species, self.radial_sublen, self._split_min_atoms())
+
+    def _split_min_atoms(self) -> int:
+        """``split_min_atoms`` where the rare-element split is allowed (AEVs whose
+        zero blocks mean "no such neighbour"), else 0: no split."""
+        return self.split_min_atoms if self.zero_blocks_exact else 0
+
+    def _evaluated_members(self) -> tp.List[int]:
+        if not self.is_ensemble:
+            return [0]
+        act: tp.List[int] = []
+        for j in range(self.total_members_num):
+            if j in self.active_members_idxs:
+                act.append(j)
+        return act
+
+    # -- packing and the cache ------------------------------------------------------------
+
+    def _cached_hidden(self, act: tp.List[int]) -> tp.List[Tensor]:
+        """Packs of layers 2..L (and layer 1's biases) of these members, cached."""
+        cache = self._cache()
+        key = -1 - _bitmask(act)
+        hidden = cache.get(key)
+        if hidden is None or self._stale(hidden[0]):
+            cache.clear()
+            hidden = self._build(act, -1, 0)
+            cache[key] = hidden
+        return hidden
+
+    def _cached_first(self, act: tp.List[int], elem: int, mask: int) -> tp.List[Tensor]:
+        """[AEV columns, layer-1 weights (K, k*d1)] of ``elem`` reading the columns of ``mask``."""
+        cache = self._cache()
+        # Nonnegative keys, distinct for each (members, element, element set).
+        key = ((_bitmask(act) * self.num_species + elem) << self.num_species) | mask
+        first = cache.get(key)
+        if first is None or self._stale(first[1]):
+            if len(cache) > self.max_first_layer_packs:
+                oldest = -1
+                for k in cache.keys():  # insertion order: drop the oldest layer-1 pack
+                    if k >= 0:
+                        oldest = k
+                        break
+                cache.pop(oldest)
+                if not torch.jit.is_scripting():
+                    self._eager_plans_clear()  # they may hold the dropped pack
+            first = self._build(act, elem, mask)
+            cache[key] = first
+        return first
+
+    def _stale(self, packed: Tensor) -> bool:
+        """Packed in another dtype/device than the parameters have now, or unusable for autograd."""
+        if packed.dtype != self._probe.dtype or packed.device != self._probe.device:
+            return True
+        # A scripted module first called under inference_mode cached inference
+        # tensors, which autograd cannot save; rebuild them once grad is on.
+        return packed.is_inference() and torch.is_grad_enabled()
+
+    def _build(self, act: tp.List[int], elem: int, mask: int) -> tp.List[Tensor]:
+        """Hidden packs (``elem`` = -1) or one layer-1 pack, from the live parameters."""
+        if torch.jit.is_scripting():
+            # no_grad keeps the packing out of the JIT's differentiable subgraphs.
+            with torch.no_grad():
+                ws = self._member_weights()
+                if elem < 0:
+                    packs = self._pack_hidden(ws, act)
+                else:
+                    packs = self._pack_first(ws, act, elem, mask)
+            return packs
+        return self._eager_build(act, elem, mask)
+
+    @torch.jit.unused
+    def _eager_build(self, act: tp.List[int], elem: int, mask: int) -> tp.List[Tensor]:
+        # Normal tensors even if this call runs under inference_mode, so that a
+        # later call with forces can save them for backward.
+        self._refresh_params()
+        with torch.inference_mode(False), torch.no_grad():
+            ws = self._member_weights()
+            if elem < 0:
+                return self._pack_hidden(ws, act)
+            return self._pack_first(ws, act, elem, mask)
+
+    def _pack_hidden(self, ws: tp.List[tp.List[tp.List[Tensor]]], act: tp.List[int]) -> tp.List[Tensor]:
+        """Per element: bias of layer 1 (k*d1,), then W_l (k, d_in, d_out) and b_l (k, 1, d_out)."""
+        out: tp.List[Tensor] = []
+        k = len(act)
+        for e in range(self.num_species):
+            b1 = ws[act[0]][e][1]
+            width = b1.shape[0]
+            packed = b1.new_empty([k * width])
+            for i, j in enumerate(act):
+                packed.narrow(0, i * width, width).copy_(ws[j][e][1])
+            out.append(packed)
+            for l in range(1, self.num_layers[e]):
+                w = ws[act[0]][e][2 * l]
+                weights = w.new_empty([k, w.shape[1], w.shape[0]])
+                biases = w.new_empty([k, 1, w.shape[0]])
+                for i, j in enumerate(act):
+                    weights[i].copy_(ws[j][e][2 * l].t())
+                    biases[i, 0].copy_(ws[j][e][2 * l + 1])
+                out.append(weights)
+                out.append(biases)
+        return out
+
+    def _pack_first(
+        self, ws: tp.List[tp.List[tp.List[Tensor]]], act: tp.List[int], elem: int, mask: int
+    ) -> tp.List[Tensor]:
+        """[AEV columns of the elements in ``mask``, ``elem``'s layer-1 weights (K, k*d1)]."""
+        present = [(mask >> s) & 1 == 1 for s in range(self.num_species)]
+        w0 = ws[act[0]][elem][0]
+        cols = torch.tensor(self._columns(present), dtype=torch.long, device=w0.device)
+        full = cols.shape[0] == self.in_dim
+        width = w0.shape[0]
+        packed = w0.new_empty([cols.shape[0], len(act) * width])
+        for i, j in enumerate(act):
+            w = ws[j][elem][0] if full else ws[j][elem][0].index_select(1, cols)
+            packed.narrow(1, i * width, width).copy_(w.t())
+        return [cols, packed]
+
+    def _columns(self, present: tp.List[bool]) -> tp.List[int]:
+        """AEV columns that can be nonzero when only the ``present`` elements occur."""
+        if self.radial_sublen == 0:
+            return [c for c in range(self.in_dim)]
+        return aev_columns(present, self.radial_sublen, self.angular_sublen, self.triu)
+
+    def _cache(self) -> tp.Dict[int, tp.List[Tensor]]:
+        if torch.jit.is_scripting():
+            return self._jit_cache.dict()
+        return self._eager_cache_dict()
+
+    @torch.jit.unused
+    def _eager_cache_dict(self) -> tp.Dict[int, tp.List[Tensor]]:
+        return self._eager_cache
+
+    @torch.jit.unused
+    def _eager_clear(self) -> None:
+        self._eager_cache = {}
+        self._eager_plans_clear()
+        self._refresh_params()
+
+    @torch.jit.unused
+    def _eager_plans_clear(self) -> None:
+        self._native_plans = {}
+
+    @torch.jit.unused
+    def _refresh_params(self) -> None:
+        # (Eager only; also picks up parameters replaced by assignment.)
+        linears = [lin for atomics in self._member_atomics() for a in atomics for lin in _linears(a)]
+        self._flat_params = [p for lin in linears for p in (lin.weight, lin.bias)]
+        self._params_watch = torch.classes.torchani_fast.WeightsWatch(self._flat_params)
+        for lin in linears:
+            _watch_linear(lin, self)
+        self._params_replaced = False
+
+    def _check_weights(self) -> bool:
+        """Whether a parameter requires grad (training: nothing may be cached).
+        Otherwise the cache is dropped if a parameter changed since the last
+        check: modified in place (``load_state_dict``, ``copy_``, an optimizer
+        step; their version counters), or given new storage (``p.data = t``)."""
+        if torch.jit.is_scripting():
+            requires_grad, fingerprint = torch.ops.torchani_fast.weights_state(self._flat_params)
+        else:
+            requires_grad, fingerprint = self._eager_weights_state()
+        if requires_grad:
+            return True
+        if fingerprint != self._weights_fingerprint:
+            self.clear_cache()
+            self._weights_fingerprint = fingerprint
+        return False
+
+    @torch.jit.unused
+    def _eager_weights_state(self) -> tp.Tuple[bool, int]:
+        if self._params_replaced:  # a Linear got a new Parameter object: re-read them all
+            self._eager_clear()
+        # (The list held in C++: 17 us a call for 256 tensors, as the old
+        # any(requires_grad) scan; converting a Python list for the op: 43 us.)
+        return self._params_watch.state()
+
+    def _member_weights(self) -> tp.List[tp.List[tp.List[Tensor]]]:
+        """[member][element] -> [W1, b1, W2, b2, ...] (the live parameters)."""
+        out: tp.List[tp.List[tp.List[Tensor]]] = []
+        for j in range(self.total_members_num):
+            base = j * self.params_per_member
+            per_member: tp.List[tp.List[Tensor]] = []
+            for e in range(self.num_species):
+                start = base + self.param_offsets[e]
+                per_member.append(self._flat_params[start:start + 2 * self.num_layers[e]])
+            out.append(per_member)
+        return out
+
+    @torch.jit.unused
+    def _member_atomics(self) -> tp.List[tp.List[torch.nn.Module]]:
+        """[member] -> element networks (``AtomicNetwork``), in element order."""
+        raise NotImplementedError
+
+    # -- module plumbing --------------------------------------------------------------
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._eager_clear()
+        return out
+
+    def __getstate__(self):
+        # Pickling and deepcopy carry the parameters, not the derived packs.
+        state = self.__dict__.copy()
+        state["_eager_cache"] = {}
+        state["_native_plans"] = {}
+        state["_jit_cache"] = None  # a C++ object, remade by __setstate__
+        state["_params_watch"] = None  # a C++ object, remade by __setstate__
+        return state
+
+    def __setstate__(self, state):
+        # Modules pickled by an older torchani_fast get the attributes added since.
+        state.setdefault("native_cpu", True)
+        state.setdefault("zero_blocks_exact", False)  # (no split, J computed everywhere: exact)
+        state.setdefault("_native_plans", {})
+        state.setdefault("_weights_fingerprint", -1)
+        super().__setstate__(state)
+        self._refresh_params()  # and the C++ watch over them
+        self._jit_cache = torch.classes.torchani_fast.PackCache()
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule: each scripted copy
+        # gets a cache of its own instead of sharing this module's.
+        self._jit_cache = torch.classes.torchani_fast.PackCache()
+        return self
+
+    def extra_repr(self) -> str:
+        skip = "by element" if self.radial_sublen else "off"
+        return (
+            f"members={self.total_members_num}, active={self.active_members_idxs}, "
+            f"zero-block skipping {skip}"
+        )
+
+
+class FusedEnsemble(_FusedBase):
+    """Drop-in for ``torchani.nn.Ensemble`` that evaluates all members at once.
+
+    ``members`` holds TorchANI's own ``ANINetworks`` (same state-dict keys);
+    ``self[i]`` is member ``i`` as a :class:`FusedNetworks`, which is what
+    ``model[i]`` uses.
+    """
+
+    def __init__(self, ensemble: Ensemble, aev_computer: tp.Optional[torch.nn.Module] = None):
+        super().__init__()
+        self.members = ensemble.members
+        self.total_members_num = len(self.members)
+        self.active_members_idxs = list(ensemble.active_members_idxs)
+        self.is_ensemble = True
+        self.register_buffer("atomic_numbers", ensemble.atomic_numbers.clone(), persistent=False)
+        self._init_layout(aev_computer)
+
+    @classmethod
+    def from_torchani(cls, networks: torch.nn.Module, aev_computer: tp.Optional[torch.nn.Module] = None):
+        """Fuse an ``Ensemble`` (-> FusedEnsemble) or ``ANINetworks`` (-> FusedNetworks).
+
+        ``aev_computer`` gives the AEV layout used to skip zero blocks; without it
+        every column is multiplied. Raises ``TypeError`` if unsupported.
+        """
+        return fuse_networks(networks, aev_computer)
+
+    def __len__(self) -> int:
+        return self.total_members_num
+
+    def __getitem__(self, idx: int) -> "FusedNetworks":
+        layout = _Layout(self.radial_sublen, self.angular_sublen, self.triu)
+        member = FusedNetworks(self.members[idx], layout)
+        member.zero_blocks_exact = self.zero_blocks_exact
+        member.split_min_atoms = self.split_min_atoms
+        return member
+
+    @torch.jit.unused
+    def _member_atomics(self) -> tp.List[tp.List[torch.nn.Module]]:
+        return [list(net.atomics.values()) for net in self.members]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._eager_clear()
+        # Like torchani's Ensemble: accept keys saved without the "members." level.
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            if not key[len(prefix):].startswith("members."):
+                state_dict[prefix + "members." + key[len(prefix):]] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class FusedNetworks(_FusedBase):
+    """Drop-in for a single ``torchani.nn.ANINetworks`` (``model_index=i``, ``model[i]``).
+
+    Like ``ANINetworks`` it ignores ``ensemble_values`` and the active members.
+    """
+
+    def __init__(self, networks: ANINetworks, aev_computer: tp.Optional[torch.nn.Module] = None):
+        super().__init__()
+        self.atomics = networks.atomics
+        self.total_members_num = 1
+        self.active_members_idxs = [0]
+        self.is_ensemble = False
+        self.register_buffer("atomic_numbers", networks.atomic_numbers.clone(), persistent=False)
+        self._init_layout(aev_computer)
+
+    def __getitem__(self, idx: str) -> torch.nn.Module:
+        return self.atomics[idx]
+
+    @torch.jit.unused
+    def _member_atomics(self) -> tp.List[tp.List[torch.nn.Module]]:
+        return [list(self.atomics.values())]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._eager_clear()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def fuse_networks(networks: torch.nn.Module, aev_computer: tp.Optional[torch.nn.Module] = None):
+    """The fused form of TorchANI's networks (already fused ones are returned as is).
+
+    Parameters
+    ----------
+    networks : torchani.nn.Ensemble or torchani.nn.ANINetworks
+        Shared, not copied: the fused module evaluates these parameters.
+    aev_computer : module with ``radial.num_feats``, ``angular.num_feats`` and
+        ``triu_index``, optional
+        The AEV layout, used to skip columns of absent elements.
+
+    Raises
+    ------
+    TypeError
+        If the networks are of a kind that cannot be fused (the message says why).
+    """
+    if isinstance(networks, _FusedBase):
+        return networks
+    reason = unsupported_reason(networks)
+    if reason is not None:
+        raise TypeError(f"torchani_fast cannot fuse these networks: {reason}")
+    if isinstance(networks, Ensemble):
+        return FusedEnsemble(networks, aev_computer)
+    return FusedNetworks(networks, aev_computer)

@@ -195,14 +195,14 @@ class Calculator(_AseCalculator):
             raise ValueError("the calculator is not attached to any Atoms")
         species, elem_idxs = self._species_tensors(self.atoms.numbers)
         cell, pbc = self._cell_tensors(self.atoms)
+        coords = torch.tensor(self.atoms.positions, dtype=self._dtype, device=self._device).unsqueeze(0)
+        if cell is not None:  # also for unpatched models, whose search has no such check
+            check_periodic_work(species, coords, cell, pbc, float(self.model.cutoff))
         with_stress = cell is not None and self._volume > 0.0
         if "stress" in properties and not with_stress:
             raise PropertyNotImplementedError(
                 "stress needs a periodic cell of non-zero volume (set atoms.pbc and atoms.cell)"
             )
-        coords = torch.tensor(self.atoms.positions, dtype=self._dtype, device=self._device).unsqueeze(0)
-        if cell is not None:  # also for unpatched models, whose search has no such check
-            check_periodic_work(species, coords, cell, pbc, float(self.model.cutoff))
         if self._overwrite and cell is not None:
             from torchani.utils import map_to_central
 

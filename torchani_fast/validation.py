@@ -249,6 +249,66 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
     check_cell_pbc(coords, cell, pbc, values=False)
     if cell is None or pbc is None or not values:
         return
+    # One C++ op says whether the cell is finite and non-singular (most calls);
+    # otherwise the element-wise checks below word the error.
+    if not (cell.device.type == "cpu" and bool(torch.ops.torchani_fast.valid_cell(cell.detach(), pbc))):
+        _check_cell_values(coords, cell, pbc)
+    periodic: tp.List[bool] = pbc.tolist()
+    if not (periodic[0] or periodic[1] or periodic[2]):
+        return
+    rows: tp.List[tp.List[float]] = cell.detach().double().tolist()
+    # Distances between lattice planes: h_a = volume / |b x c|.
+    crosses: tp.List[tp.List[float]] = []
+    for a in range(3):
+        u = rows[(a + 1) % 3]
+        v = rows[(a + 2) % 3]
+        crosses.append([u[1] * v[2] - u[2] * v[1], u[2] * v[0] - u[0] * v[2], u[0] * v[1] - u[1] * v[0]])
+    volume = abs(rows[0][0] * crosses[0][0] + rows[0][1] * crosses[0][1] + rows[0][2] * crosses[0][2])
+    images = 1.0
+    fractions: tp.List[float] = [1.0, 1.0, 1.0]  # the searched volume over the cell's, per axis
+    for a in range(3):
+        area = (crosses[a][0] ** 2 + crosses[a][1] ** 2 + crosses[a][2] ** 2) ** 0.5
+        spacing = volume / area
+        if periodic[a]:
+            images *= 2.0 * float(int(cutoff / spacing) + 1) + 1.0
+        else:
+            fractions[a] = 2.0 * cutoff / spacing
+    if images > max_images:
+        raise ValueError(
+            "cell is too small for the cutoff ({} Å): the neighbour search would visit {} "
+            "periodic images (the limit is {}); cell {}. Is the cell in nm or bohr instead "
+            "of Å?".format(cutoff, _num(images), _num(max_images), rows))
+    sphere = 4.0 / 3.0 * 3.141592653589793 * cutoff ** 3
+    # First an upper bound that reads no data: every slot a real atom, and
+    # along non-periodic axes all atoms within the cutoff's diameter.
+    atoms = species.shape[1]
+    searched = volume * fractions[0] * fractions[1] * fractions[2]
+    if atoms * sphere / searched <= max_neighbors:
+        return
+    real = species >= 0
+    atoms = int(real.sum(1).max())
+    if not (periodic[0] and periodic[1] and periodic[2]):
+        # Along a non-periodic axis the atoms occupy their own extent (in units
+        # of the lattice vector; at least the cutoff's diameter).
+        frac = coords.detach().double() @ torch.linalg.inv(cell.detach().double())
+        for a in range(3):
+            if not periodic[a]:
+                column = frac[:, :, a]
+                big = torch.where(real, column, torch.full_like(column, -1e300)).max(1).values
+                small = torch.where(real, column, torch.full_like(column, 1e300)).min(1).values
+                fractions[a] = max(fractions[a], float((big - small).max()))
+    searched = volume * fractions[0] * fractions[1] * fractions[2]
+    neighbors = atoms * sphere / searched
+    if neighbors > max_neighbors:
+        raise ValueError(
+            "cell is too small for its atoms: {} atoms in {} Å³ give about {} neighbours "
+            "per atom within the {} Å cutoff (real matter has at most ~150; the limit is {}). "
+            "Is the cell (or are the coordinates) in nm or bohr instead of Å? cell {}".format(
+                atoms, _num(searched), _num(neighbors), cutoff, _num(max_neighbors), rows))
+
+
+def _check_cell_values(coords: Tensor, cell: Tensor, pbc: Tensor) -> None:
+    """The element-wise cell checks, in the order of their messages."""
     if not bool(pbc.any()):
         check_cell_pbc(coords, cell, pbc, values=True)
         return
@@ -264,49 +324,6 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
                 "give the periodic cell in Å (ASE: atoms.cell = ..., or atoms.pbc = False for "
                 "a molecule)".format(a, a, rows))
     check_cell_pbc(coords, cell, pbc, values=True)  # singular cells
-    # Distances between lattice planes: h_a = volume / |b x c|.
-    crosses: tp.List[tp.List[float]] = []
-    for a in range(3):
-        u = rows[(a + 1) % 3]
-        v = rows[(a + 2) % 3]
-        crosses.append([u[1] * v[2] - u[2] * v[1], u[2] * v[0] - u[0] * v[2], u[0] * v[1] - u[1] * v[0]])
-    volume = abs(rows[0][0] * crosses[0][0] + rows[0][1] * crosses[0][1] + rows[0][2] * crosses[0][2])
-    images = 1.0
-    fractions: tp.List[float] = [1.0, 1.0, 1.0]  # the cell's share of the volume searched
-    for a in range(3):
-        area = (crosses[a][0] ** 2 + crosses[a][1] ** 2 + crosses[a][2] ** 2) ** 0.5
-        spacing = volume / area
-        if periodic[a]:
-            images *= 2.0 * float(int(cutoff / spacing) + 1) + 1.0
-        else:
-            fractions[a] = 2.0 * cutoff / spacing
-    if images > max_images:
-        raise ValueError(
-            "cell is too small for the cutoff ({} Å): the neighbour search would visit {} "
-            "periodic images (the limit is {}); cell {}. Is the cell in nm or bohr instead "
-            "of Å?".format(cutoff, _num(images), _num(max_images), rows))
-    real = species >= 0
-    atoms = int(real.sum(1).max())
-    if fractions[0] * fractions[1] * fractions[2] != 1.0 or not bool(pbc.all()):
-        # Along a non-periodic axis the atoms occupy their own extent (in units
-        # of the lattice vector, taken at least the cutoff's diameter).
-        inverse = torch.linalg.inv(cell.detach().double())
-        frac = coords.detach().double() @ inverse
-        for a in range(3):
-            if not periodic[a]:
-                column = frac[:, :, a]
-                big = torch.where(real, column, torch.full_like(column, -1e300)).max(1).values
-                small = torch.where(real, column, torch.full_like(column, 1e300)).min(1).values
-                extent = float((big - small).max())
-                fractions[a] = max(fractions[a], extent)
-    searched = volume * fractions[0] * fractions[1] * fractions[2]
-    neighbors = atoms * (4.0 / 3.0 * 3.141592653589793 * cutoff ** 3) / searched
-    if neighbors > max_neighbors:
-        raise ValueError(
-            "cell is too small for its atoms: {} atoms in {} Å³ give about {} neighbours "
-            "per atom within the {} Å cutoff (real matter has at most ~150; the limit is {}). "
-            "Is the cell (or are the coordinates) in nm or bohr instead of Å? cell {}".format(
-                atoms, _num(searched), _num(neighbors), cutoff, _num(max_neighbors), rows))
 
 
 # -- one element check ---------------------------------------------------------------------

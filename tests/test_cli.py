@@ -104,7 +104,7 @@ def test_bad_inputs_name_file_frame_and_element(tmp_path, capsys):
     capsys.readouterr()
     assert run("energy", bad, "-d", "cpu", "-t", "f64") == 1
     err = capsys.readouterr().err
-    assert f"{bad}, frame 1: element Fe (atom 3)" in err and "Cl" in err
+    assert f"{bad}, frame 1: element Fe (atomic number 26) at atom 2" in err and "Cl" in err
 
     garbage = tmp_path / "garbage.xyz"
     garbage.write_text("this is not\na structure file\n")
@@ -178,4 +178,4 @@ def test_console_entry_point_subprocess(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torchani_fast.cli", "energy", str(bad)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr
-    assert f"{bad}, frame 0: element Fe (atom 1) is not supported by ANI2x" in proc.stderr
+    assert f"{bad}, frame 0: element Fe (atomic number 26) at atom 0 (counting from 0) is not supported by ANI2x" in proc.stderr

@@ -12,7 +12,7 @@ from torch.jit import Final
 from torchani.neighbors import Neighbors
 
 from . import ops
-from .validation import check_cell_pbc
+from .validation import check_periodic_work
 
 __all__ = ["AEVComputer", "NeighborList"]
 
@@ -89,7 +89,7 @@ class NeighborList(torch.nn.Module):
         pbc: tp.Optional[Tensor] = None,
     ) -> Neighbors:
         # The sync-free mode reads no data here either (see check_capacity).
-        check_cell_pbc(coords, cell, pbc, values=self.max_pairs == 0)
+        check_periodic_work(elem_idxs, coords, cell, pbc, cutoff, values=self.max_pairs == 0)
         use_cells = self.strategy == "cell_list" or (
             self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
         )

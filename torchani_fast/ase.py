@@ -11,7 +11,16 @@ and are all cached, so ``get_potential_energy()`` followed by ``get_forces()``
 and ``get_stress()`` costs one evaluation. The species, cell and pbc tensors are
 built once and reused while the atoms keep their elements and cell. Results are
 those of TorchANI's calculator: eV, eV/Å and eV/Å³.
+
+One calculator may be shared by threads: ASE's calculators keep the atoms and
+results of the last call on the object, so every entry point here holds the
+calculator's lock from the check of the atoms to the copy of the result (the
+calls run one after another, each with its own atoms' numbers). Periodic input
+goes through :func:`torchani_fast.validation.check_periodic_work`: ``pbc=True``
+with ASE's default zero cell, a singular cell and cells that would make the
+neighbour search unbounded (a cell in nm) raise ``ValueError``.
 """
+import threading
 import typing as tp
 import warnings
 
@@ -26,10 +35,26 @@ from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
 from .models import _model_float
+from .validation import check_elements, check_periodic_work
 
-__all__ = ["Calculator"]
+__all__ = ["Calculator", "periodic_cell"]
 
 STRESS_KINDS = ("scaling", "fdotr", "numerical")
+
+
+def periodic_cell(atoms: ase.Atoms) -> np.ndarray:
+    """The (3, 3) cell of periodic ``atoms`` as the model takes it, in Å.
+
+    ``atoms.cell.complete()`` fills every zero lattice vector with a unit
+    vector, which would turn ASE's default zero cell with ``pbc=True`` into a
+    1 Å cube (and a number for water 5 times too low). Only the vectors of
+    non-periodic axes are completed here; a zero periodic vector stays zero
+    and :func:`~torchani_fast.validation.check_periodic_work` refuses it.
+    """
+    full = atoms.cell.complete().array.copy()
+    periodic = np.asarray(atoms.pbc, dtype=bool)
+    full[periodic] = atoms.cell.array[periodic]
+    return full
 
 
 class Calculator(_AseCalculator):
@@ -87,7 +112,11 @@ class Calculator(_AseCalculator):
         self._overwrite = overwrite
         self._stress_kind = stress_kind
         numbers = getattr(model, "atomic_numbers", None)
-        self._supported = None if numbers is None else set(int(z) for z in numbers.tolist())
+        self._supported = None if numbers is None else sorted(int(z) for z in numbers.tolist())
+        # ASE keeps the last atoms and results on the calculator: one lock spans
+        # check_state, calculate and the copy of the result (re-entrant, since
+        # get_property calls calculate).
+        self._lock = threading.RLock()
         self.evaluations = 0
         # Input tensors kept between calls: rebuilt only when what they encode changes.
         self._numbers: tp.Optional[np.ndarray] = None
@@ -113,13 +142,7 @@ class Calculator(_AseCalculator):
     def _species_tensors(self, numbers: np.ndarray) -> tp.Tuple[Tensor, Tensor]:
         if self._numbers is None or not np.array_equal(numbers, self._numbers):
             if self._supported is not None:
-                bad = [int(z) for z in np.unique(numbers) if int(z) not in self._supported]
-                if bad:
-                    from ase.data import chemical_symbols
-
-                    names = ", ".join(chemical_symbols[z] for z in bad)
-                    known = ", ".join(chemical_symbols[z] for z in sorted(self._supported))
-                    raise ValueError(f"element(s) {names} not supported by this model (it covers {known})")
+                check_elements(numbers, self._supported, "this model")
             species = torch.tensor(numbers, dtype=torch.long, device=self._device).unsqueeze(0)
             self._elem_idxs = self.model.species_converter(species)
             self._species = species
@@ -132,7 +155,7 @@ class Calculator(_AseCalculator):
         key = (tuple(bool(p) for p in pbc), cell.tobytes())
         if key != self._cell_key:
             if pbc.any():
-                full = atoms.cell.complete().array
+                full = periodic_cell(atoms)
                 self._cell = torch.tensor(full, dtype=self._dtype, device=self._device)
                 self._pbc = torch.tensor(pbc, dtype=torch.bool, device=self._device)
                 self._volume = abs(float(np.linalg.det(full)))
@@ -143,6 +166,11 @@ class Calculator(_AseCalculator):
         return self._cell, self._pbc
 
     # ------------------------------------------------------------- calculation
+    def get_property(self, name, atoms=None, allow_calculation=True):
+        """ASE's ``get_property`` under the calculator's lock (see the module doc)."""
+        with self._lock:
+            return super().get_property(name, atoms, allow_calculation)
+
     def calculate(self, atoms: tp.Optional[ase.Atoms] = None,
                   properties: tp.Sequence[str] = ("energy",),
                   system_changes: tp.Sequence[str] = tuple(all_changes)) -> None:
@@ -158,17 +186,23 @@ class Calculator(_AseCalculator):
         system_changes : sequence of str
             What changed since the last call (ASE's bookkeeping).
         """
+        with self._lock:
+            self._calculate(atoms, properties, system_changes)
+
+    def _calculate(self, atoms, properties, system_changes) -> None:
         super().calculate(atoms, properties, system_changes)
         if self.atoms is None:
             raise ValueError("the calculator is not attached to any Atoms")
         species, elem_idxs = self._species_tensors(self.atoms.numbers)
         cell, pbc = self._cell_tensors(self.atoms)
+        coords = torch.tensor(self.atoms.positions, dtype=self._dtype, device=self._device).unsqueeze(0)
+        if cell is not None:  # also for unpatched models, whose search has no such check
+            check_periodic_work(species, coords, cell, pbc, float(self.model.cutoff))
         with_stress = cell is not None and self._volume > 0.0
         if "stress" in properties and not with_stress:
             raise PropertyNotImplementedError(
                 "stress needs a periodic cell of non-zero volume (set atoms.pbc and atoms.cell)"
             )
-        coords = torch.tensor(self.atoms.positions, dtype=self._dtype, device=self._device).unsqueeze(0)
         if self._overwrite and cell is not None:
             from torchani.utils import map_to_central
 

@@ -7,17 +7,25 @@ Subcommands (``torchani-fast SUBCOMMAND --help`` explains every option)::
     torchani-fast md FILE [--steps 1000] [--dt 0.5] [--temperature 300] [-o md.xyz]
 
 Any format ASE reads is accepted; extended XYZ ``Lattice=``/``pbc=`` (and the cell
-of any other periodic format) is honoured. Model weights are read by TorchANI
+of any other periodic format) is honoured. Options, input files and output
+paths are checked before any work; errors are one line on stderr naming the
+file and frame (exit status 1). Output files are written as ``NAME.partial``
+and renamed to ``NAME`` when the run succeeds (see ``torchani_fast._output``):
+an interrupted run leaves ``NAME.partial`` with the finished structures or
+frames and never touches an existing ``NAME``. Model weights are read by TorchANI
 from ``$TORCHANI_DATA_DIR/StateDicts`` (default ``~/.local/share/Torchani``);
 on machines without network access also set ``HF_HUB_OFFLINE=1``.
 """
 import argparse
 import json
+import math
 import os
 import sys
 import time
 import typing as tp
 from pathlib import Path
+
+from ._output import PartialFile, check_writable, terminate_as_interrupt, write_atomic
 
 __all__ = ["main", "CLIError"]
 
@@ -121,14 +129,10 @@ def _read(path: Path, index: str) -> list:
     numbers count from 0 in the file, so error messages can name them.
     """
     import ase.io
-    from ase.io.formats import string2index
 
     if not path.exists():
         raise CLIError(f"{path}: no such file")
-    try:
-        selection = string2index(index)
-    except ValueError:
-        raise CLIError(f"invalid frame index {index!r}; use e.g. 0, -1, : or ::10") from None
+    selection = _index(index)
     try:
         frames = ase.io.read(str(path), index=":")
     except Exception as exc:
@@ -147,6 +151,20 @@ def _read(path: Path, index: str) -> list:
     return numbered
 
 
+def _index(index: str):
+    """ase.io.read's index (int or slice) from ``index``, or CLIError."""
+    from ase.io.formats import string2index
+
+    try:
+        selection = string2index(index)
+    except (ValueError, TypeError):
+        selection = None
+    if selection is None or (isinstance(selection, slice) and selection.step == 0) \
+            or not isinstance(selection, (int, slice)):
+        raise CLIError(f"invalid frame index -i {index!r}; use e.g. 0, -1, :, 2:5 or ::10")
+    return selection
+
+
 def _elements(name: str) -> tp.Tuple[str, ...]:
     """The element symbols model ``name`` covers (known without loading it)."""
     from torchani.utils import SYMBOLS_1X, SYMBOLS_2X
@@ -154,17 +172,43 @@ def _elements(name: str) -> tp.Tuple[str, ...]:
     return tuple(SYMBOLS_2X) if name == "ANI2x" else tuple(SYMBOLS_1X)
 
 
-def _check_elements(name: str, path: Path, frame: int, numbers) -> None:
-    from ase.data import atomic_numbers, chemical_symbols
+# The models' neighbour cutoffs (Å), for the cell check before the model is loaded.
+_CUTOFFS = {"ANI2x": 5.1, "ANI1x": 5.2, "ANI1ccx": 5.2}
 
-    symbols = _elements(name)
-    supported = {atomic_numbers[s] for s in symbols}
-    for j, z in enumerate(numbers):
-        if int(z) not in supported:
-            raise CLIError(
-                f"{path}, frame {frame}: element {chemical_symbols[int(z)]} (atom {j + 1}) "
-                f"is not supported by {name}, which covers {' '.join(symbols)}"
-            )
+
+def _check_elements(name: str, path: Path, frame: int, numbers) -> None:
+    from ase.data import atomic_numbers
+
+    from .validation import check_elements
+
+    try:
+        check_elements(numbers, [atomic_numbers[s] for s in _elements(name)], name,
+                       where=f"{path}, frame {frame}")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _check_geometry(name: str, path: Path, frame: int, atoms) -> None:
+    """Finite positions and a usable cell (the checks of the model, worded with file and frame)."""
+    import numpy as np
+    import torch
+
+    from .ase import periodic_cell
+    from .validation import check_periodic_work
+
+    finite = np.isfinite(atoms.positions).all(axis=1)
+    if not finite.all():
+        j = int(np.flatnonzero(~finite)[0])
+        raise CLIError(f"{path}, frame {frame}: atom {j} has non-finite coordinates "
+                       f"{atoms.positions[j].tolist()}")
+    if atoms.pbc.any():
+        species = torch.as_tensor(atoms.numbers).unsqueeze(0)
+        coords = torch.as_tensor(atoms.positions, dtype=torch.float64).unsqueeze(0)
+        cell = torch.as_tensor(periodic_cell(atoms), dtype=torch.float64)
+        try:
+            check_periodic_work(species, coords, cell, torch.as_tensor(atoms.pbc), _CUTOFFS[name])
+        except ValueError as exc:
+            raise CLIError(f"{path}, frame {frame}: {exc}") from None
 
 
 def _structures(paths: tp.Sequence[Path], index: str, name: str) -> list:
@@ -178,6 +222,7 @@ def _structures(paths: tp.Sequence[Path], index: str, name: str) -> list:
             if len(atoms) == 0:
                 raise CLIError(f"{path}, frame {frame}: no atoms")
             _check_elements(name, path, frame, atoms.numbers)
+            _check_geometry(name, path, frame, atoms)
             out.append((path, frame, atoms))
     return out
 
@@ -214,6 +259,8 @@ def _run_energy(args) -> int:
 
     from .models import energies_forces, energies_forces_hessians
 
+    from .ase import periodic_cell
+
     structures = _structures(args.files, args.index, args.model)
     model = _load_model(args.model, args.device, args.dtype)
     ref = next(model.parameters())
@@ -223,6 +270,19 @@ def _run_energy(args) -> int:
     hessians: list = [None] * n
     bar = _progress(total=n, desc="energy", unit="structure",
                     disable=args.no_progress or n < 2)
+
+    def document(complete: bool) -> str:
+        output: dict = {"energies": energies}
+        if args.hessians:
+            output["hessians"] = hessians
+        if args.forces or args.hessians:
+            output["forces"] = forces
+        output["structures"] = [{"file": str(p), "frame": fr, "natoms": len(a)}
+                                for p, fr, a in structures]
+        if not complete:  # null for the structures not evaluated
+            output["complete"] = False
+        return json.dumps(output, indent=4 if args.output else None)
+
     try:
         for idxs in _batches(structures, args.batch_size):
             batch = [structures[i][2] for i in idxs]
@@ -237,21 +297,26 @@ def _run_energy(args) -> int:
             first = batch[0]
             cell = pbc = None
             if first.pbc.any():
-                cell = torch.tensor(first.cell.complete().array, dtype=ref.dtype, device=ref.device)
+                cell = torch.tensor(periodic_cell(first), dtype=ref.dtype, device=ref.device)
                 pbc = torch.tensor(first.pbc, dtype=torch.bool, device=ref.device)
-            if args.hessians:
-                try:
-                    e, f, h = energies_forces_hessians(model, species, coords, cell, pbc)
-                except NotImplementedError as exc:
-                    raise CLIError(f"--hessians: {exc}") from exc
-            elif args.forces:
-                e, f = energies_forces(model, species, coords, cell, pbc)
-                h = None
-            else:  # energies only: no backward pass
-                with torch.no_grad():
-                    x = coords.to(device=ref.device, dtype=ref.dtype)
-                    e = model((species, x), cell=cell, pbc=pbc).energies
-                f = h = None
+            try:
+                if args.hessians:
+                    try:
+                        e, f, h = energies_forces_hessians(model, species, coords, cell, pbc)
+                    except NotImplementedError as exc:
+                        raise CLIError(f"--hessians: {exc}") from exc
+                elif args.forces:
+                    e, f = energies_forces(model, species, coords, cell, pbc)
+                    h = None
+                else:  # energies only: no backward pass
+                    with torch.no_grad():
+                        x = coords.to(device=ref.device, dtype=ref.dtype)
+                        e = model((species, x), cell=cell, pbc=pbc).energies
+                    f = h = None
+            except (ValueError, RuntimeError) as exc:
+                names = "; ".join(f"{structures[i][0]}, frame {structures[i][1]}" for i in idxs[:3])
+                more = f" and {len(idxs) - 3} more" if len(idxs) > 3 else ""
+                raise CLIError(f"{names}{more}: {exc}") from exc
             e = e.cpu().double()
             f = None if f is None else f.cpu().double()
             for k, i in enumerate(idxs):
@@ -262,18 +327,20 @@ def _run_energy(args) -> int:
                 if h is not None:
                     hessians[i] = h[k, :3 * a, :3 * a].cpu().double().tolist()
             bar.update(len(idxs))
+    except BaseException:
+        # Interrupted or failed: what was computed goes to OUTPUT.partial
+        # (null for the rest, "complete": false); OUTPUT itself is not touched.
+        if args.output and any(e is not None for e in energies):
+            partial = PartialFile(args.output)
+            partial.write(document(False) + "\n")
+            partial.close()
+            print(f"partial results -> {partial.partial}", file=sys.stderr)
+        raise
     finally:
         bar.close()
-    output: dict = {"energies": energies}
-    if args.hessians:
-        output["hessians"] = hessians
-    if args.forces or args.hessians:
-        output["forces"] = forces
-    output["structures"] = [{"file": str(p), "frame": fr, "natoms": len(a)}
-                            for p, fr, a in structures]
-    text = json.dumps(output, indent=4 if args.output else None)
+    text = document(True)
     if args.output:
-        args.output.write_text(text + "\n")
+        write_atomic(args.output, text + "\n")
         print(f"{n} structure(s) -> {args.output}", file=sys.stderr)
     else:
         print(text)
@@ -297,54 +364,84 @@ def _frozen_copy(atoms, results: dict):
     return out
 
 
-def _run_optimize(args) -> int:
-    import ase.io
-    import numpy as np
+def _extxyz(atoms) -> str:
+    """One extended XYZ frame as text: written with a single write() call, so an
+    interruption (a signal handler runs between calls) never leaves half a frame."""
+    import io
 
+    import ase.io
+
+    buffer = io.StringIO()
+    ase.io.write(buffer, atoms, format="extxyz")
+    return buffer.getvalue()
+
+
+def _run_optimize(args) -> int:
     from .ase import Calculator
 
     structures = _structures(args.files, args.index, args.model)
     model = _load_model(args.model, args.device, args.dtype)
     calc = Calculator(model)
     opt_cls = _optimizer_class(args.optimizer)
-    rows, finals = [], []
-    outer = _progress(structures, desc="structures", unit="structure",
-                      disable=args.no_progress or len(structures) < 2)
-    for path, frame, atoms in outer:
-        atoms = atoms.copy()
-        atoms.calc = calc
-        e0 = atoms.get_potential_energy()
-        bar = _progress(total=args.steps, desc=f"{path.name}[{frame}]", unit="step",
-                        leave=False, disable=args.no_progress)
-
-        def tick():
-            if opt.nsteps == 0:  # ASE also calls observers before the first step
-                return
-            fmax = float(np.sqrt((atoms.get_forces() ** 2).sum(axis=1).max()))
-            bar.set_postfix(E=f"{atoms.get_potential_energy():.4f} eV", fmax=f"{fmax:.4f}", refresh=False)
-            bar.update(1)
-
-        opt = opt_cls(atoms, logfile=None)
-        opt.attach(tick, interval=1)
-        start = time.perf_counter()
+    rows = []
+    # Each optimised structure is appended to OUTPUT.partial as it finishes;
+    # renamed to OUTPUT once all are done (an interrupted run keeps the file).
+    with PartialFile(args.output) as out:
+        outer = _progress(structures, desc="structures", unit="structure",
+                          disable=args.no_progress or len(structures) < 2)
         try:
-            converged = bool(opt.run(fmax=args.fmax, steps=args.steps))
+            for path, frame, atoms in outer:
+                try:
+                    final, row = _optimize_one(args, calc, opt_cls, path, frame, atoms)
+                except (ValueError, RuntimeError) as exc:
+                    raise CLIError(f"{path}, frame {frame}: {exc}; the {len(rows)} structure(s) "
+                                   f"finished are in {out.partial}") from exc
+                except KeyboardInterrupt:
+                    print(f"interrupted: the {len(rows)} structure(s) finished are in {out.partial}",
+                          file=sys.stderr)
+                    raise
+                out.write(_extxyz(final))
+                rows.append(row)
         finally:
-            bar.close()
-        seconds = time.perf_counter() - start
-        e1 = atoms.get_potential_energy()
-        fmax = float(np.sqrt((atoms.get_forces() ** 2).sum(axis=1).max()))
-        final = _frozen_copy(atoms, calc.results)
-        # Keep real metadata but not the flags ASE makes of a plain XYZ comment line.
-        final.info = {k: v for k, v in final.info.items() if v is not True}
-        final.info.update(source=str(path), frame=frame, optimizer=args.optimizer,
-                          steps=opt.nsteps, converged=converged, fmax=fmax)
-        finals.append(final)
-        rows.append((str(path), frame, len(atoms), opt.nsteps, converged, e0, e1, fmax, seconds))
-    outer.close()
-    ase.io.write(str(args.output), finals, format="extxyz")
+            outer.close()
+        out.commit()
     _print_table(rows, args)
     return 0
+
+
+def _optimize_one(args, calc, opt_cls, path, frame, atoms):
+    """Optimise one structure: (the final frame with its results, the table row)."""
+    import numpy as np
+
+    atoms = atoms.copy()
+    atoms.calc = calc
+    e0 = atoms.get_potential_energy()
+    bar = _progress(total=args.steps, desc=f"{path.name}[{frame}]", unit="step",
+                    leave=False, disable=args.no_progress)
+
+    def tick():
+        if opt.nsteps == 0:  # ASE also calls observers before the first step
+            return
+        fmax = float(np.sqrt((atoms.get_forces() ** 2).sum(axis=1).max()))
+        bar.set_postfix(E=f"{atoms.get_potential_energy():.4f} eV", fmax=f"{fmax:.4f}", refresh=False)
+        bar.update(1)
+
+    opt = opt_cls(atoms, logfile=None)
+    opt.attach(tick, interval=1)
+    start = time.perf_counter()
+    try:
+        converged = bool(opt.run(fmax=args.fmax, steps=args.steps))
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    e1 = atoms.get_potential_energy()
+    fmax = float(np.sqrt((atoms.get_forces() ** 2).sum(axis=1).max()))
+    final = _frozen_copy(atoms, calc.results)
+    # Keep real metadata but not the flags ASE makes of a plain XYZ comment line.
+    final.info = {k: v for k, v in final.info.items() if v is not True}
+    final.info.update(source=str(path), frame=frame, optimizer=args.optimizer,
+                      steps=opt.nsteps, converged=converged, fmax=fmax)
+    return final, (str(path), frame, len(atoms), opt.nsteps, converged, e0, e1, fmax, seconds)
 
 
 def _print_table(rows: list, args) -> None:
@@ -366,7 +463,6 @@ def _print_table(rows: list, args) -> None:
 
 # ---------------------------------------------------------------- md
 def _run_md(args) -> int:
-    import ase.io
     import ase.units as units
     import numpy as np
     from ase.md.langevin import Langevin
@@ -392,14 +488,20 @@ def _run_md(args) -> int:
     else:
         dyn = Langevin(atoms, dt, temperature_K=args.temperature,
                        friction=args.friction / units.fs, rng=rng)
-    log_path = args.log if args.log is not None else args.output.with_suffix(".log")
-    logger = MDLogger(dyn, atoms, str(log_path), header=True, stress=False, peratom=False, mode="w")
-    traj = open(args.output, "w")
-    e_start = atoms.get_total_energy()
+    log_path = _md_log_path(args)
+    try:
+        e_start = atoms.get_total_energy()  # the first evaluation, before any file is opened
+    except (ValueError, RuntimeError) as exc:
+        raise CLIError(f"{args.file}, frame {frame}: {exc}") from exc
+    # Frames and log lines go to OUTPUT.partial and LOG.partial as they come;
+    # both are renamed when every step is done (see torchani_fast._output).
+    traj = PartialFile(args.output)
+    log = PartialFile(log_path)
+    logger = MDLogger(dyn, atoms, log.file, header=True, stress=False, peratom=False)
 
     def write_frame():
-        ase.io.write(traj, _frozen_copy(atoms, atoms.calc.results), format="extxyz")
-        traj.flush()
+        traj.write(_extxyz(_frozen_copy(atoms, atoms.calc.results)))
+        log.flush()
 
     dyn.attach(logger, interval=args.interval)
     dyn.attach(write_frame, interval=args.interval)
@@ -417,10 +519,19 @@ def _run_md(args) -> int:
     start = time.perf_counter()
     try:
         dyn.run(args.steps)
+        traj.commit()
+        log.commit()
+    except (ValueError, RuntimeError) as exc:
+        raise CLIError(f"{args.file}, frame {frame}, MD step {dyn.nsteps}: {exc}; the frames so far "
+                       f"are in {traj.partial}") from exc
+    except KeyboardInterrupt:
+        print(f"interrupted at step {dyn.nsteps}: the frames so far are in {traj.partial}, "
+              f"the log in {log.partial}", file=sys.stderr)
+        raise
     finally:
         bar.close()
         traj.close()
-        logger.close() if hasattr(logger, "close") else None
+        log.close()
     seconds = time.perf_counter() - start
     e_end = atoms.get_total_energy()
     ns_day = args.steps * args.dt * 1e-6 / max(seconds, 1e-9) * 86400
@@ -429,6 +540,70 @@ def _run_md(args) -> int:
           f"(change {e_end - e_start:+.2e} eV), final T {atoms.get_temperature():.1f} K")
     print(f"trajectory: {args.output}  log: {log_path}")
     return 0
+
+
+def _md_log_path(args) -> Path:
+    return args.log if args.log is not None else args.output.with_suffix(".log")
+
+
+# ---------------------------------------------------------------- options
+def _option_errors(args) -> tp.List[str]:
+    """What is wrong with the options and paths of ``args`` (checked before any work)."""
+    errors = []
+    for name in ("batch_size", "steps", "interval"):
+        if getattr(args, name, 1) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    fmax = getattr(args, "fmax", 1.0)
+    if not (math.isfinite(fmax) and fmax > 0):
+        errors.append(f"--fmax must be a finite number > 0 (eV/Å), got {fmax}")
+    temperature = getattr(args, "temperature", 0.0)
+    if not (math.isfinite(temperature) and temperature >= 0):
+        errors.append(f"--temperature must be a finite number >= 0 (K), got {temperature}")
+    elif temperature > 1e5:
+        errors.append(f"--temperature {temperature} K is far beyond what an ANI model describes "
+                      "(at most 100000 K accepted)")
+    dt = getattr(args, "dt", 1.0)
+    if not (math.isfinite(dt) and 0 < dt <= 10):
+        errors.append(f"--dt must be in (0, 10] fs (0.5-1 fs is usual with hydrogens), got {dt}")
+    friction = getattr(args, "friction", 0.0)
+    if not (math.isfinite(friction) and friction >= 0):
+        errors.append(f"--friction must be a finite number >= 0 (1/fs), got {friction}")
+    index = getattr(args, "index", None)
+    if index is not None:
+        try:
+            _index(index)
+        except CLIError as exc:
+            errors.append(str(exc))
+    if args.command == "md":
+        if _same_file(args.output, _md_log_path(args)):
+            errors.append(f"-o {args.output} and the log {_md_log_path(args)} are the same file; "
+                          "pass --log with another name")
+        if _same_file(args.output, args.file) or _same_file(_md_log_path(args), args.file):
+            errors.append(f"the output would overwrite the input {args.file}")
+    if args.command == "optimize" and any(_same_file(args.output, p) for p in args.files):
+        errors.append(f"-o {args.output} would overwrite an input file")
+    return errors
+
+
+def _check_paths(args) -> None:
+    """CLIError unless every input exists and every output can be created."""
+    for path in getattr(args, "files", None) or [getattr(args, "file", None)]:
+        if path is not None and not path.exists():
+            raise CLIError(f"{path}: no such file")
+        if path is not None and path.is_dir():
+            raise CLIError(f"{path}: is a directory")
+    outputs = [("-o", args.output)] if getattr(args, "output", None) is not None else []
+    if args.command == "md":
+        outputs.append(("--log", _md_log_path(args)))
+    for option, path in outputs:
+        try:
+            check_writable(path, option)
+        except OSError as exc:
+            raise CLIError(str(exc)) from None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 # ---------------------------------------------------------------- parser
@@ -528,12 +703,14 @@ def main(argv: tp.Optional[tp.Sequence[str]] = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("batch_size", "steps", "interval"):
-        if getattr(args, name, 1) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    errors = _option_errors(args)
+    if errors:
+        parser.error("; ".join(errors))  # exit status 2, before any work
+    terminate_as_interrupt()
     try:
+        _check_paths(args)
         return args.run(args)
-    except CLIError as exc:
+    except (CLIError, OSError) as exc:
         print(f"torchani-fast {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

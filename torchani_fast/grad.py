@@ -70,6 +70,12 @@ def energies_forces_and_hessians(
         energies (M,) in Ha, forces (M, A, 3) in Ha/Å, hessians (M, 3A, 3A) in
         Ha/Å², all detached. Rows and columns of padding atoms are zero.
     """
+    for name, value in (("species", species), ("coordinates", coordinates), ("cell", cell), ("pbc", pbc)):
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; "
+                            f"convert it explicitly, e.g. torch.as_tensor({name})")
+    if species.numel() > 0 and not bool((species >= 0).any()):
+        return _all_padding(model, species, coordinates, cell, pbc)
     reason = hessians_supported(model)
     if reason is not None:
         return _autograd_loop(model, species, coordinates, cell, pbc)
@@ -360,6 +366,16 @@ def _present_columns(aevc: AEVComputer, flat: Tensor) -> Tensor:
     cols = aev_columns(present, int(aevc.radial.num_feats), int(aevc.angular.num_feats),
                        aevc.triu_index.tolist())
     return torch.tensor(cols, dtype=torch.long, device=flat.device)
+
+
+def _all_padding(model, species, coordinates, cell, pbc) -> EnergiesForcesHessians:
+    """A batch of padding only: energies (0, from the model, which also checks
+    the inputs), forces and Hessians 0; autograd has nothing to differentiate."""
+    with torch.no_grad():
+        energies = model((species, coordinates.detach()), cell=cell, pbc=pbc).energies
+    mols, atoms = species.shape
+    h = coordinates.new_zeros(mols, 3 * atoms, 3 * atoms)
+    return EnergiesForcesHessians(energies, torch.zeros_like(coordinates), h)
 
 
 def _autograd_loop(model, species, coordinates, cell, pbc) -> EnergiesForcesHessians:

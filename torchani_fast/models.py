@@ -146,7 +146,26 @@ def _model_float(model: torch.nn.Module) -> Tensor:
     raise ValueError("the model has no floating-point parameters or buffers to take a dtype from")
 
 
-def _prepare(model, coords: Tensor, cell, pbc):
+def _require_tensors(**named) -> None:
+    """TypeError naming the first argument that is not a tensor (None allowed)."""
+    for name, value in named.items():
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor, got {type(value).__module__}.{type(value).__name__}; "
+                f"convert it explicitly, e.g. torch.as_tensor({name})")
+
+
+def _forces(energies: Tensor, x: Tensor) -> Tensor:
+    """-dE/dx; zeros where the energies do not depend on ``x`` (a batch of
+    padding only: every energy is 0 and autograd has nothing to differentiate)."""
+    if not energies.requires_grad:
+        return torch.zeros_like(x)
+    (grad,) = torch.autograd.grad(energies.sum(), x, allow_unused=True)
+    return torch.zeros_like(x) if grad is None else -grad
+
+
+def _prepare(model, species, coords: Tensor, cell, pbc):
+    _require_tensors(species=species, coords=coords, cell=cell, pbc=pbc)
     ref = _model_float(model)
     # A fresh leaf: detach() gives a new tensor object, so setting requires_grad
     # on it never touches the caller's tensor; .to() is a no-op when the dtype
@@ -185,13 +204,19 @@ def energies_forces(model: torch.nn.Module, species: Tensor, coords: Tensor,
     EnergiesForces
         ``energies`` (M,) in Hartree and ``forces`` (M, A, 3) = -dE/dx in
         Hartree/Å, both detached, in the model's dtype and on its device.
-        Forces on padding atoms are 0.
+        Forces on padding atoms are 0; a batch of padding only gives energies
+        and forces 0.
+
+    Raises
+    ------
+    TypeError
+        If an input is not a tensor (numpy arrays and lists are not converted).
     """
-    x, cell, pbc = _prepare(model, coords, cell, pbc)
+    x, cell, pbc = _prepare(model, species, coords, cell, pbc)
     with torch.enable_grad():
         energies = model((species.to(x.device), x), cell=cell, pbc=pbc).energies
-        (grad,) = torch.autograd.grad(energies.sum(), x)
-    return EnergiesForces(energies.detach(), -grad)
+        forces = _forces(energies, x)
+    return EnergiesForces(energies.detach(), forces)
 
 
 def energies_forces_hessians(model: torch.nn.Module, species: Tensor, coords: Tensor,
@@ -214,13 +239,15 @@ def energies_forces_hessians(model: torch.nn.Module, species: Tensor, coords: Te
 
     Raises
     ------
+    TypeError
+        If an input is not a tensor (numpy arrays and lists are not converted).
     NotImplementedError
         If the model's featurizer has no second derivatives (the message of the
         underlying error is kept).
     """
     from .grad import energies_forces_and_hessians
 
-    x, cell, pbc = _prepare(model, coords, cell, pbc)
+    x, cell, pbc = _prepare(model, species, coords, cell, pbc)
     try:
         return energies_forces_and_hessians(model, species.to(x.device), x.detach(), cell, pbc)
     except RuntimeError as exc:

@@ -16,10 +16,17 @@ raises if the capacity overflowed or the coordinates were not finite, so a
 wrong energy is never returned silently; ``check_every=n`` checks only every
 n-th call (faster, but up to n-1 results may be wrong before the error).
 
+One step may be shared by threads: its buffers (the neighbour list's pair
+count, the captured graph's inputs and outputs) belong to the object, so each
+call holds the step's lock from the input copy to the pair-count check, and
+the calls run one after another. A pair count read by a call is always that
+call's own.
+
 The step uses the model's parameters as they are when it is built (packed
 weights are kept alive by the step): build a new step after changing the
 model (weights, dtype, device, active members).
 """
+import threading
 import typing as tp
 
 import torch
@@ -29,7 +36,8 @@ from . import ops
 from .aev import AEVComputer, NeighborList
 from .nn import _FusedBase
 from .patch import _nnp, is_patched
-from .validation import check_cell_pbc
+from .models import _forces, _require_tensors
+from .validation import check_periodic_work
 
 __all__ = ["EnergyForcesStep"]
 
@@ -76,13 +84,14 @@ class EnergyForcesStep:
         nets = nnp.neural_networks
         if not isinstance(nets, _FusedBase):
             raise TypeError("EnergyForcesStep needs the fused networks of a patched model")
+        _require_tensors(species=species, coords=coords, cell=cell, pbc=pbc)
         if check_every < 0:
             raise ValueError(f"check_every must be >= 0, got {check_every}")
         if pbc is not None and not bool(pbc.any()):
             cell, pbc = None, None  # all-False pbc: not periodic, as in the model
         # Validation of everything, once, by the model itself (names the bad argument).
         model._check_inputs(species, coords, 0)
-        check_cell_pbc(coords, cell, pbc, values=True)
+        check_periodic_work(species, coords, cell, pbc, float(model.cutoff), values=True)
         with torch.no_grad():
             elem = model.species_converter(species, nop=not model.periodic_table_index)
             pairs, _ = ops.neighbor_pairs(elem, coords, cell, pbc, float(model.cutoff), True)
@@ -105,6 +114,9 @@ class EnergyForcesStep:
         self.check_every = check_every
         self.calls = 0
         self._graph = None
+        # The pair count, the static graph buffers and ``calls`` are shared by
+        # every caller of this object: one call at a time (see the module doc).
+        self._lock = threading.Lock()
         use_graph = coords.device.type == "cuda" if cuda_graph is None else cuda_graph
         self._warm_up(coords, use_graph and coords.device.type == "cuda")
 
@@ -115,8 +127,7 @@ class EnergyForcesStep:
     def _eager(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
         aev = self.aev_computer(self.elem, x, self.cell, self.pbc)
         energies = self.networks.energies_fixed(self.elem, aev, self.groups) + self.shift
-        (grad,) = torch.autograd.grad(energies.sum(), x)
-        return energies.detach(), -grad
+        return energies.detach(), _forces(energies, x)
 
     def _warm_up(self, coords: Tensor, capture: bool) -> None:
         self._static_x = coords.detach().clone().requires_grad_(True)
@@ -142,9 +153,11 @@ class EnergyForcesStep:
     def check(self) -> int:
         """Number of neighbour pairs of the last call; raises if the list overflowed
         ``max_pairs`` or the coordinates were not finite (synchronises)."""
-        return self.neighborlist.check_capacity()
+        with self._lock:
+            return self.neighborlist.check_capacity()
 
     def __call__(self, coords: Tensor) -> tp.Tuple[Tensor, Tensor]:
+        _require_tensors(coords=coords)
         if tuple(coords.shape) != self.shape:
             raise ValueError(f"coords must have the step's shape {self.shape}, got {tuple(coords.shape)}")
         if coords.dtype != self.dtype or coords.device != self.device:
@@ -152,14 +165,15 @@ class EnergyForcesStep:
                 f"coords must be {self.dtype} on {self.device} like the step's, "
                 f"got {coords.dtype} on {coords.device}"
             )
-        if self._graph is not None:
-            with torch.no_grad():
-                self._static_x.copy_(coords)
-            self._graph.replay()
-            energies, forces = self._static_out[0].clone(), self._static_out[1].clone()
-        else:
-            energies, forces = self._eager(coords.detach().requires_grad_(True))
-        self.calls += 1
-        if self.check_every and self.calls % self.check_every == 0:
-            self.check()
+        with self._lock:
+            if self._graph is not None:
+                with torch.no_grad():
+                    self._static_x.copy_(coords)
+                self._graph.replay()
+                energies, forces = self._static_out[0].clone(), self._static_out[1].clone()
+            else:
+                energies, forces = self._eager(coords.detach().requires_grad_(True))
+            self.calls += 1
+            if self.check_every and self.calls % self.check_every == 0:
+                self.neighborlist.check_capacity()
         return energies, forces

@@ -192,3 +192,166 @@ class ValidatedModel:
     def _check_inputs(self, species: Tensor, coords: Tensor, charge: int = 0) -> None:
         reference = self.energy_shifter.self_energies
         check_inputs(species, coords, charge, reference.dtype, reference.device)
+
+
+# -- one place that decides whether a cell is usable ---------------------------------------
+# Real matter has at most ~0.2 atoms per Å³ (diamond 0.18, water 0.10), so within
+# ANI's 5.2 Å cutoff an atom has ~60-120 neighbours. A cell given in nm (or a
+# box far smaller than any real one) packs 10³ times more atoms per volume: the
+# pair list and the AEV's pair-of-pairs then grow to gigabytes and minutes. The
+# limits below are 25x past any real density and 10x inside the C++ search's
+# own limit (1e6 visited images), so they refuse only such cells.
+# (TorchScript reads no module globals: the defaults of check_periodic_work repeat them.)
+MAX_NEIGHBORS_PER_ATOM = 3000.0
+MAX_PERIODIC_IMAGES = 1e5
+
+
+def _num(x: float) -> str:
+    # TorchScript's str.format has no format specs: 3 decimals, or a whole number.
+    if x >= 100.0:
+        return str(int(x + 0.5))
+    return str(float(int(x * 1000.0 + 0.5)) / 1000.0)
+
+
+def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tensor],
+                        pbc: tp.Optional[Tensor], cutoff: float, values: bool = True,
+                        max_images: float = 1e5, max_neighbors: float = 3000.0) -> None:
+    """Whether ``cell``/``pbc`` can describe a periodic system at ``cutoff``; raise if not.
+
+    The single cell check of torchani_fast, used by the model's neighbour list,
+    :class:`~torchani_fast.step.EnergyForcesStep`, the ASE calculator and the
+    CLI. In order it refuses: what :func:`check_cell_pbc` refuses (shapes,
+    dtypes, devices, a cell without pbc and the reverse); a non-finite cell; a
+    periodic axis whose lattice vector is zero (ASE's default cell with
+    ``pbc=True``); a singular cell; and a cell whose neighbour search would be
+    unbounded work: more than ``max_images`` periodic images within
+    the cutoff, or more than ``max_neighbors`` expected neighbours
+    per atom (the atoms of the densest molecule over the cell's volume; along
+    non-periodic axes the atoms' own extent, at least the cutoff's diameter).
+    The last two suggest the usual cause, a cell or coordinates in nm or bohr.
+
+    Parameters
+    ----------
+    species : Tensor (M, A)
+        Atomic numbers or element indices; -1 marks padding (not counted).
+    coords : Tensor (M, A, 3)
+        Positions in Å.
+    cell, pbc : Tensor, optional
+        (3, 3) lattice vectors (rows) in Å and (3,) bool, as for the model.
+    cutoff : float
+        The model's neighbour cutoff in Å.
+    values : bool
+        False checks only shapes, dtypes and devices (reads no data: no host
+        synchronisation, so CUDA graphs can capture the caller).
+    max_images, max_neighbors : float
+        The work limits (``MAX_PERIODIC_IMAGES``, ``MAX_NEIGHBORS_PER_ATOM``).
+    """
+    check_cell_pbc(coords, cell, pbc, values=False)
+    if cell is None or pbc is None or not values:
+        return
+    # One C++ op says whether the cell is finite and non-singular (most calls);
+    # otherwise the element-wise checks below word the error.
+    if not (cell.device.type == "cpu" and bool(torch.ops.torchani_fast.valid_cell(cell.detach(), pbc))):
+        _check_cell_values(coords, cell, pbc)
+    periodic: tp.List[bool] = pbc.tolist()
+    if not (periodic[0] or periodic[1] or periodic[2]):
+        return
+    rows: tp.List[tp.List[float]] = cell.detach().double().tolist()
+    # Distances between lattice planes: h_a = volume / |b x c|.
+    crosses: tp.List[tp.List[float]] = []
+    for a in range(3):
+        u = rows[(a + 1) % 3]
+        v = rows[(a + 2) % 3]
+        crosses.append([u[1] * v[2] - u[2] * v[1], u[2] * v[0] - u[0] * v[2], u[0] * v[1] - u[1] * v[0]])
+    volume = abs(rows[0][0] * crosses[0][0] + rows[0][1] * crosses[0][1] + rows[0][2] * crosses[0][2])
+    images = 1.0
+    fractions: tp.List[float] = [1.0, 1.0, 1.0]  # the searched volume over the cell's, per axis
+    for a in range(3):
+        area = (crosses[a][0] ** 2 + crosses[a][1] ** 2 + crosses[a][2] ** 2) ** 0.5
+        spacing = volume / area
+        if periodic[a]:
+            images *= 2.0 * float(int(cutoff / spacing) + 1) + 1.0
+        else:
+            fractions[a] = 2.0 * cutoff / spacing
+    if images > max_images:
+        raise ValueError(
+            "cell is too small for the cutoff ({} Å): the neighbour search would visit {} "
+            "periodic images (the limit is {}); cell {}. Is the cell in nm or bohr instead "
+            "of Å?".format(cutoff, _num(images), _num(max_images), rows))
+    sphere = 4.0 / 3.0 * 3.141592653589793 * cutoff ** 3
+    # First an upper bound that reads no data: every slot a real atom, and
+    # along non-periodic axes all atoms within the cutoff's diameter.
+    atoms = species.shape[1]
+    searched = volume * fractions[0] * fractions[1] * fractions[2]
+    if atoms * sphere / searched <= max_neighbors:
+        return
+    real = species >= 0
+    atoms = int(real.sum(1).max())
+    if not (periodic[0] and periodic[1] and periodic[2]):
+        # Along a non-periodic axis the atoms occupy their own extent (in units
+        # of the lattice vector; at least the cutoff's diameter).
+        frac = coords.detach().double() @ torch.linalg.inv(cell.detach().double())
+        for a in range(3):
+            if not periodic[a]:
+                column = frac[:, :, a]
+                big = torch.where(real, column, torch.full_like(column, -1e300)).max(1).values
+                small = torch.where(real, column, torch.full_like(column, 1e300)).min(1).values
+                fractions[a] = max(fractions[a], float((big - small).max()))
+    searched = volume * fractions[0] * fractions[1] * fractions[2]
+    neighbors = atoms * sphere / searched
+    if neighbors > max_neighbors:
+        raise ValueError(
+            "cell is too small for its atoms: {} atoms in {} Å³ give about {} neighbours "
+            "per atom within the {} Å cutoff (real matter has at most ~150; the limit is {}). "
+            "Is the cell (or are the coordinates) in nm or bohr instead of Å? cell {}".format(
+                atoms, _num(searched), _num(neighbors), cutoff, _num(max_neighbors), rows))
+
+
+def _check_cell_values(coords: Tensor, cell: Tensor, pbc: Tensor) -> None:
+    """The element-wise cell checks, in the order of their messages."""
+    if not bool(pbc.any()):
+        check_cell_pbc(coords, cell, pbc, values=True)
+        return
+    rows: tp.List[tp.List[float]] = cell.detach().double().tolist()
+    periodic: tp.List[bool] = pbc.tolist()
+    if not bool(torch.isfinite(cell).all()):
+        raise ValueError("cell must be finite, got {}".format(rows))
+    for a in range(3):
+        length = (rows[a][0] ** 2 + rows[a][1] ** 2 + rows[a][2] ** 2) ** 0.5
+        if periodic[a] and not length > 0.0:
+            raise ValueError(
+                "pbc is True along axis {} but the cell's lattice vector {} is zero (cell {}): "
+                "give the periodic cell in Å (ASE: atoms.cell = ..., or atoms.pbc = False for "
+                "a molecule)".format(a, a, rows))
+    check_cell_pbc(coords, cell, pbc, values=True)  # singular cells
+
+
+# -- one element check ---------------------------------------------------------------------
+def check_elements(numbers: tp.Sequence[int], supported: tp.Sequence[int], model: str = "the model",
+                   where: str = "") -> None:
+    """Raise ``ValueError`` naming the first atom whose element ``model`` does not cover.
+
+    The one element check of the front ends (ASE calculator, CLI); the model
+    itself checks again through :class:`SpeciesConverter`.
+
+    Parameters
+    ----------
+    numbers : sequence of int
+        Atomic numbers, one per atom (ASE's ``atoms.numbers``).
+    supported : sequence of int
+        The atomic numbers the model covers (``model.atomic_numbers``).
+    model : str
+        The model's name, for the message.
+    where : str
+        Prefix naming the structure ("water.xyz, frame 3"), for the message.
+    """
+    allowed = set(int(z) for z in supported)
+    for j, z in enumerate(numbers):
+        if int(z) not in allowed:
+            def name(n: int) -> str:
+                return PERIODIC_TABLE[n] if 0 <= n < len(PERIODIC_TABLE) else "#{}".format(n)
+
+            covers = " ".join(name(k) for k in sorted(allowed))
+            raise ValueError("{}element {} (atomic number {}) at atom {} (counting from 0) is not "
+                             "supported by {}, which covers {}".format(
+                                 where + ": " if where else "", name(int(z)), int(z), j, model, covers))

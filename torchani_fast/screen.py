@@ -215,6 +215,11 @@ def _worker_model(name: str, device: tp.Optional[str], dtype: str):
     return _WORKER_MODELS[key]
 
 
+def _worker_loads() -> int:
+    """How many models this process has built (``client.run(_worker_loads)``)."""
+    return _WORKER_LOADS[0]
+
+
 def _energy_records(model, spec: dict, items: list, atoms_list: list) -> list:
     """Energies (forces, Hessians) of one batch, computed as the local command does."""
     import torch

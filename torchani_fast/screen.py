@@ -14,6 +14,7 @@ interrupted run leaves just the ``.partial`` file, which ``resume=True`` continu
 >>> results = torchani_fast.screen(["confs.xyz"], client=Client("tcp://host:8786"))
 >>> results[0]["energy"]                                      # doctest: +SKIP
 """
+import functools
 import io
 import json
 import os
@@ -45,11 +46,37 @@ def _format(path: Path) -> str:
         raise ScreenError(f"{path}: cannot be read by ASE ({type(exc).__name__}: {exc})") from exc
 
 
-def _xyz_frames(path: Path) -> tp.List[tp.Tuple[int, int]]:
-    """``[(byte offset, natoms)]`` of every frame of an (extended) XYZ file.
+_NO_CELL = ((False, False, False), b"")  # the batching key of a structure without a cell
 
-    Only the atom-count lines are parsed, so the scan is fast and needs no memory
-    for the structures; the frames themselves are parsed by the workers.
+
+@functools.lru_cache(maxsize=4096)  # the comment lines of a file's frames are often all equal
+def _header_key(comment: bytes):
+    """The batching key of an extended XYZ frame from its comment line, if that
+    shows it has no cell (ASE: no ``Lattice=`` and no true ``pbc=``); else None."""
+    if b"=" not in comment:
+        return _NO_CELL
+    from ase.io.extxyz import key_val_str_to_dict
+
+    try:
+        info = key_val_str_to_dict(comment.decode())
+    except Exception:
+        return None  # let the parse of the whole frame say what is wrong
+    if "Lattice" in info:
+        return None
+    pbc = info.get("pbc", False)
+    try:
+        return _NO_CELL if not any(bool(p) for p in (pbc if hasattr(pbc, "__len__") else [pbc])) else None
+    except TypeError:
+        return None
+
+
+def _xyz_frames(path: Path) -> tp.List[tp.Tuple[int, int, tp.Any]]:
+    """``[(byte offset, natoms, batching key or None)]`` of every frame of an
+    (extended) XYZ file.
+
+    Only the atom-count and comment lines are parsed, so the scan is fast and
+    needs no memory for the structures; the frames themselves are parsed by the
+    workers (and here only the keys of periodic frames are left to them).
     """
     frames = []
     with open(path, "rb") as f:
@@ -70,25 +97,43 @@ def _xyz_frames(path: Path) -> tp.List[tp.Tuple[int, int]]:
                                   f"found {line[:40].decode(errors='replace')!r}") from None
             start = pos
             pos += len(line)
-            for _ in range(natoms + 1):
+            comment = f.readline()
+            pos += len(comment)
+            for _ in range(natoms):
                 line = f.readline()
                 if not line:
                     raise ScreenError(f"{path}: frame {len(frames)} (line {lineno}) is truncated")
                 pos += len(line)
             lineno += natoms + 1
-            frames.append((start, natoms))
+            frames.append((start, natoms, _header_key(comment)))
 
 
-def _read_frame(item: dict):
-    """The ``ase.Atoms`` of one work item (parsed from its bytes, or carried along)."""
+def _read_frame(item: dict, files: tp.Optional[dict] = None):
+    """The ``ase.Atoms`` of one work item (parsed from its bytes, or carried along).
+
+    ``files`` keeps the files of a task open between its items.
+    """
     import ase.io
 
     if "atoms" in item:
         return item["atoms"]
-    with open(item["file"], "rb") as f:
-        f.seek(item["offset"])
-        text = b"".join(f.readline() for _ in range(item["natoms"] + 2)).decode()
+    if files is None:
+        files = {}
+    f = files.get(item["file"])
+    if f is None:
+        f = files[item["file"]] = open(item["file"], "rb")
+    f.seek(item["offset"])
+    text = b"".join(f.readline() for _ in range(item["natoms"] + 2)).decode()
     return ase.io.read(io.StringIO(text), format="extxyz")
+
+
+def _read_frames(items: list) -> list:
+    files: dict = {}
+    try:
+        return [_read_frame(item, files) for item in items]
+    finally:
+        for f in files.values():
+            f.close()
 
 
 def _select(path: Path, count: int, index: str) -> tp.List[int]:
@@ -124,7 +169,7 @@ def _items(paths: tp.Sequence[Path], index: str) -> tp.List[dict]:
             frames = _xyz_frames(path)
             for k in _select(path, len(frames), index):
                 items.append({"file": str(path), "frame": k, "offset": frames[k][0],
-                              "natoms": frames[k][1]})
+                              "natoms": frames[k][1], "key": frames[k][2]})
         else:  # other formats: read here and ship the structures (not lazy)
             try:
                 frames = ase.io.read(str(path), index=":")
@@ -133,7 +178,7 @@ def _items(paths: tp.Sequence[Path], index: str) -> tp.List[dict]:
             frames = frames if isinstance(frames, list) else [frames]
             for k in _select(path, len(frames), index):
                 items.append({"file": str(path), "frame": k, "atoms": frames[k],
-                              "natoms": len(frames[k])})
+                              "natoms": len(frames[k]), "key": _key(frames[k])})
     return items
 
 
@@ -159,19 +204,27 @@ def _problem(atoms, item: dict, model: str) -> tp.Optional[str]:
     return None
 
 
+def _key(atoms) -> tuple:
+    """Structures with equal keys (cell and pbc) may share a batch, as in ``cli._batches``."""
+    return (tuple(bool(p) for p in atoms.pbc),
+            atoms.cell.array.tobytes() if atoms.pbc.any() else b"")
+
+
 def _describe(items: tp.List[dict], model: str) -> list:
-    """Worker task: ``[(natoms, cell key, problem or None)]`` of each item."""
+    """Worker task: ``[(natoms, cell key, problem or None)]`` of each item (the
+    periodic frames, whose cell the comment-line scan leaves to a full parse)."""
     out = []
+    files: dict = {}
     for item in items:
         try:
-            atoms = _read_frame(item)
+            atoms = _read_frame(item, files)
         except Exception as exc:
             out.append((item["natoms"], None, f"{item['file']}, frame {item['frame']}: "
                                               f"cannot be parsed ({type(exc).__name__}: {exc})"))
             continue
-        key = (tuple(bool(p) for p in atoms.pbc),
-               atoms.cell.array.tobytes() if atoms.pbc.any() else b"")
-        out.append((len(atoms), key, _problem(atoms, item, model)))
+        out.append((len(atoms), _key(atoms), _problem(atoms, item, model)))
+    for f in files.values():
+        f.close()
     return out
 
 
@@ -267,19 +320,45 @@ def _energy_task(spec: dict, items: list) -> list:
     """Worker task: one record per item of a batch; a failing batch is retried
     structure by structure so one bad structure costs only its own result."""
     model = _worker_model(spec["model"], spec["device"], spec["dtype"])
-    atoms_list = [_read_frame(item) for item in items]
+    records, good, atoms_list = _checked(spec, items)
+    items = good
+    if not items:
+        return records
     try:
-        return _energy_records(model, spec, items, atoms_list)
+        return records + _energy_records(model, spec, items, atoms_list)
     except Exception as exc:
         if len(items) == 1:
-            return [_error_record(items[0], f"{type(exc).__name__}: {exc}")]
-    records = []
+            return records + [_error_record(items[0], f"{type(exc).__name__}: {exc}")]
     for item, atoms in zip(items, atoms_list):
         try:
             records.extend(_energy_records(model, spec, [item], [atoms]))
         except Exception as exc:
             records.append(_error_record(item, f"{type(exc).__name__}: {exc}"))
     return records
+
+
+def _checked(spec: dict, items: list) -> tuple:
+    """``(error records, good items, their atoms)``: a frame that cannot be parsed or
+    evaluated (element, coordinates) is reported and left out of the batch."""
+    records, good, atoms_list = [], [], []
+    files: dict = {}
+    try:
+        for item in items:
+            try:
+                atoms = _read_frame(item, files)
+            except Exception as exc:
+                records.append(_error_record(item, f"cannot be parsed ({type(exc).__name__}: {exc})"))
+                continue
+            problem = _problem(atoms, item, spec["model"])
+            if problem is not None:
+                records.append(_error_record(item, problem))
+                continue
+            good.append(item)
+            atoms_list.append(atoms)
+    finally:
+        for f in files.values():
+            f.close()
+    return records, good, atoms_list
 
 
 def _optimize_task(spec: dict, items: list) -> list:
@@ -292,10 +371,10 @@ def _optimize_task(spec: dict, items: list) -> list:
 
     model = _worker_model(spec["model"], spec["device"], spec["dtype"])
     calc = Calculator(model)
-    records = []
-    for item in items:
+    records, items, atoms_list = _checked(spec, items)
+    for item, atoms in zip(items, atoms_list):
         try:
-            atoms = _read_frame(item).copy()
+            atoms = atoms.copy()
             atoms.calc = calc
             e0 = atoms.get_potential_energy()
             opt = _optimizer_class(spec["optimizer"])(atoms, logfile=None)
@@ -458,34 +537,43 @@ def _execute(client, fn, spec: dict, tasks: list, sink, bar, callback) -> None:
     handing each result to ``sink`` as it arrives (in completion order)."""
     from distributed import as_completed
 
+    from distributed import CancelledError
+
     tag = uuid.uuid4().hex[:10]
     nthreads = sum(client.nthreads().values()) or 1
-    window = max(8, 3 * nthreads)  # enough queued per worker to hide the round trips
-    todo = iter(enumerate(tasks))
-    running = as_completed()
+    # Enough queued per worker to hide the round trips, few enough for the
+    # scheduler's memory; submitted in bulk (each submit call is a round trip
+    # to the client's event loop).
+    window = max(32, 8 * nthreads)
+    submitted = 0
+    running = as_completed(with_results=True, raise_errors=False)
+    in_flight = 0
 
-    def submit() -> None:
-        for b, items in todo:
-            running.add(client.submit(fn, spec, items, key=f"torchani-fast-{tag}-{b}", pure=False))
+    def refill() -> None:
+        nonlocal submitted, in_flight
+        if in_flight > window // 2 or submitted == len(tasks):
             return
+        chunk = tasks[submitted:submitted + window - in_flight]
+        keys = [f"torchani-fast-{tag}-{b}" for b in range(submitted, submitted + len(chunk))]
+        running.update(client.map(fn, [spec] * len(chunk), chunk, key=keys, pure=False))
+        submitted += len(chunk)
+        in_flight += len(chunk)
 
-    for _ in range(window):
-        submit()
-    for future in running:
-        if future.status == "cancelled":
+    refill()
+    for future, records in running:
+        in_flight -= 1
+        if future.status == "cancelled" or isinstance(records, CancelledError):
             raise ScreenError("lost the Dask scheduler (its connection closed); the results so "
                               "far are kept, rerun the same command with --resume")
-        try:
-            records = future.result()
-        except Exception as exc:  # KilledWorker after repeated deaths, or a bug
-            raise ScreenError(f"a Dask task failed ({type(exc).__name__}: {exc}); the results so "
-                              "far are kept, rerun the same command with --resume") from exc
+        if future.status == "error":  # KilledWorker after repeated deaths, or a bug
+            raise ScreenError(f"a Dask task failed ({type(records).__name__}: {records}); the "
+                              "results so far are kept, rerun the same command with --resume")
         future.release()
         sink(records)
         bar.update(len(records))
         if callback is not None:
             callback(records)
-        submit()
+        refill()
 
 
 def _dump_columns(out, columns: list, indent: tp.Optional[int]) -> None:
@@ -649,11 +737,15 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
         if sink.done:
             print(f"resuming {sink.path}: {len(sink.done)} of {n} structure(s) already done",
                   file=sys.stderr)
-        # Sizes and cells (needed to batch as the local command does) from the workers.
-        chunks = [items[s:s + _DESCRIBE_CHUNK] for s in range(0, n, _DESCRIBE_CHUNK)]
-        meta = []
-        for part in client.gather([client.submit(_describe, c, model, pure=False) for c in chunks]):
-            meta.extend(part)
+        # Sizes and cells (to batch as the local command does): from the scan, or
+        # for periodic frames from the workers.
+        meta = [(item["natoms"], item["key"], None) for item in items]
+        todo = [item for item in items if item["key"] is None]
+        chunks = [todo[s:s + _DESCRIBE_CHUNK] for s in range(0, len(todo), _DESCRIBE_CHUNK)]
+        parts = client.gather([client.submit(_describe, c, model, pure=False) for c in chunks])
+        for chunk, part in zip(chunks, parts):
+            for item, m in zip(chunk, part):
+                meta[item["i"]] = m
         sink.write([_error_record(items[i], m[2]) for i, m in enumerate(meta)
                     if m[2] is not None and i not in sink.done])
         if command == "energy":

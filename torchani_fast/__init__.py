@@ -19,10 +19,11 @@ from .aev import AEVComputer  # noqa: E402
 from .patch import is_patched, patch  # noqa: E402
 from . import grad  # noqa: E402  (energies_forces_and_hessians)
 from .step import EnergyForcesStep  # noqa: E402
+from .screen import screen  # noqa: E402  (the function; the module is sys.modules["torchani_fast.screen"])
 
 __version__ = "0.1.0"
 __all__ = ["AEVComputer", "EnergyForcesStep", "patch", "is_patched", "ops", "grad", "cpu_isa",
-           "__version__"]
+           "screen", "__version__"]
 
 _ISA_LEVELS = ("none", "avx2", "avx512")
 

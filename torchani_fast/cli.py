@@ -261,6 +261,8 @@ def _run_energy(args) -> int:
 
     from .ase import periodic_cell
 
+    if _on_cluster(args):
+        return _run_screen(args)
     structures = _structures(args.files, args.index, args.model)
     model = _load_model(args.model, args.device, args.dtype)
     ref = next(model.parameters())
@@ -379,6 +381,8 @@ def _extxyz(atoms) -> str:
 def _run_optimize(args) -> int:
     from .ase import Calculator
 
+    if _on_cluster(args):
+        return _run_screen(args)
     structures = _structures(args.files, args.index, args.model)
     model = _load_model(args.model, args.device, args.dtype)
     calc = Calculator(model)
@@ -618,6 +622,29 @@ def _common(p: argparse.ArgumentParser, default_dtype: str) -> None:
     p.add_argument("--no-progress", action="store_true", help="do not show progress bars (on stderr)")
 
 
+def _cluster(p: argparse.ArgumentParser) -> None:
+    """--scheduler/--workers/--resume: run on a Dask cluster (torchani_fast.screen)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--scheduler", metavar="ADDRESS", default=None,
+                   help="run on the Dask cluster of this scheduler (e.g. tcp://host:8786)")
+    g.add_argument("--workers", type=int, metavar="N", default=None,
+                   help="run on a local Dask cluster of N single-threaded worker processes")
+    p.add_argument("--resume", action="store_true",
+                   help="with --scheduler/--workers: continue the run that left OUTPUT.partial")
+
+
+def _on_cluster(args) -> bool:
+    if args.resume and not (args.scheduler or args.workers):
+        raise CLIError("--resume needs --scheduler or --workers")
+    return bool(args.scheduler or args.workers)
+
+
+def _run_screen(args) -> int:
+    from .screen import run_command
+
+    return run_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``torchani-fast`` argument parser (subcommands energy, optimize, md)."""
     from . import __version__
@@ -647,6 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="write the JSON here (default: print it to stdout)")
     _common(p, "float32")
+    _cluster(p)
     p.set_defaults(run=_run_energy)
 
     p = sub.add_parser("optimize", help="relax geometries with BFGS, LBFGS or FIRE",
@@ -662,6 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, default=Path("optimized.xyz"),
                    help="extended XYZ file for the optimised structures (default optimized.xyz)")
     _common(p, "float64")
+    _cluster(p)
     p.set_defaults(run=_run_optimize)
 
     p = sub.add_parser("md", help="molecular dynamics (NVE or Langevin) with a trajectory and log",

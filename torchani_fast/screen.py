@@ -1,0 +1,827 @@
+"""Screening on a Dask cluster: ``torchani-fast energy|optimize --scheduler/--workers``.
+
+The structures of the input files are described (size, cell) by tasks that read
+the frames lazily by byte offset, grouped into the same batches as the local
+command (same cell, sorted by size, at most ``batch_size`` structures), and the
+batches are evaluated by Dask workers. Each worker process builds the model once
+(:data:`_WORKER_MODELS`), runs torch with one thread and keeps the model between
+tasks. Results are appended, one JSON line per structure, to ``OUTPUT.partial``
+as they arrive and the final file (the local command's layout, in input order)
+is written only once every structure is done, then renamed into place; an
+interrupted run leaves just the ``.partial`` file, which ``resume=True`` continues.
+
+>>> from distributed import Client
+>>> results = torchani_fast.screen(["confs.xyz"], client=Client("tcp://host:8786"))
+>>> results[0]["energy"]                                      # doctest: +SKIP
+"""
+import functools
+import io
+import json
+import os
+import sys
+import time
+import typing as tp
+import uuid
+from pathlib import Path
+
+__all__ = ["screen", "ScreenError"]
+
+_FORMAT_VERSION = 1
+_DESCRIBE_CHUNK = 1000  # frames described per task
+_WORKER_MODELS: dict = {}  # (model, device, dtype) -> patched model, one per worker process
+_WORKER_LOADS = [0]  # how many models this process built (the tests read it)
+
+
+class ScreenError(Exception):
+    """A screening run cannot go on (bad input, lost scheduler, foreign partial file)."""
+
+
+# ---------------------------------------------------------------- reading frames
+def _format(path: Path) -> str:
+    from ase.io.formats import filetype
+
+    try:
+        return filetype(str(path), read=True)
+    except Exception as exc:
+        raise ScreenError(f"{path}: cannot be read by ASE ({type(exc).__name__}: {exc})") from exc
+
+
+_NO_CELL = ((False, False, False), b"")  # the batching key of a structure without a cell
+
+
+@functools.lru_cache(maxsize=4096)  # the comment lines of a file's frames are often all equal
+def _header_key(comment: bytes):
+    """The batching key of an extended XYZ frame from its comment line, if that
+    shows it has no cell (ASE: no ``Lattice=`` and no true ``pbc=``); else None."""
+    if b"=" not in comment:
+        return _NO_CELL
+    from ase.io.extxyz import key_val_str_to_dict
+
+    try:
+        info = key_val_str_to_dict(comment.decode())
+    except Exception:
+        return None  # let the parse of the whole frame say what is wrong
+    if "Lattice" in info:
+        return None
+    pbc = info.get("pbc", False)
+    try:
+        return _NO_CELL if not any(bool(p) for p in (pbc if hasattr(pbc, "__len__") else [pbc])) else None
+    except TypeError:
+        return None
+
+
+def _xyz_frames(path: Path) -> tp.List[tp.Tuple[int, int, tp.Any]]:
+    """``[(byte offset, natoms, batching key or None)]`` of every frame of an
+    (extended) XYZ file.
+
+    Only the atom-count and comment lines are parsed, so the scan is fast and
+    needs no memory for the structures; the frames themselves are parsed by the
+    workers (and here only the keys of periodic frames are left to them).
+    """
+    frames = []
+    with open(path, "rb") as f:
+        pos = 0
+        lineno = 0
+        while True:
+            line = f.readline()
+            if not line:
+                return frames
+            lineno += 1
+            if not line.strip():  # blank lines between or after frames
+                pos += len(line)
+                continue
+            try:
+                natoms = int(line.split()[0])
+            except ValueError:
+                raise ScreenError(f"{path}: line {lineno} should hold a frame's atom count, "
+                                  f"found {line[:40].decode(errors='replace')!r}") from None
+            start = pos
+            pos += len(line)
+            comment = f.readline()
+            pos += len(comment)
+            for _ in range(natoms):
+                line = f.readline()
+                if not line:
+                    raise ScreenError(f"{path}: frame {len(frames)} (line {lineno}) is truncated")
+                pos += len(line)
+            lineno += natoms + 1
+            frames.append((start, natoms, _header_key(comment)))
+
+
+def _read_frame(item: dict, files: tp.Optional[dict] = None):
+    """The ``ase.Atoms`` of one work item (parsed from its bytes, or carried along).
+
+    ``files`` keeps the files of a task open between its items.
+    """
+    import ase.io
+
+    if "atoms" in item:
+        return item["atoms"]
+    if files is None:
+        files = {}
+    f = files.get(item["file"])
+    if f is None:
+        f = files[item["file"]] = open(item["file"], "rb")
+    f.seek(item["offset"])
+    text = b"".join(f.readline() for _ in range(item["natoms"] + 2)).decode()
+    return ase.io.read(io.StringIO(text), format="extxyz")
+
+
+def _read_frames(items: list) -> list:
+    files: dict = {}
+    try:
+        return [_read_frame(item, files) for item in items]
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _select(path: Path, count: int, index: str) -> tp.List[int]:
+    """Frame numbers that ``index`` (ase.io.read's index string) selects of ``count``."""
+    from ase.io.formats import string2index
+
+    try:
+        selection = string2index(index)
+    except ValueError:
+        raise ScreenError(f"invalid frame index {index!r}; use e.g. 0, -1, : or ::10") from None
+    numbers = list(range(count))
+    if isinstance(selection, int):
+        if not -count <= selection < count:
+            raise ScreenError(f"{path}: has {count} frame(s), no frame {selection}")
+        numbers = [numbers[selection]]
+    else:
+        numbers = numbers[selection]
+    if not numbers:
+        raise ScreenError(f"{path}: no structures (frames {index!r} of {count})")
+    return numbers
+
+
+def _items(paths: tp.Sequence[Path], index: str) -> tp.List[dict]:
+    """One work item per selected frame: file, frame and where to read it."""
+    import ase.io
+
+    items = []
+    for path in paths:
+        if not path.exists():
+            raise ScreenError(f"{path}: no such file")
+        fmt = _format(path)
+        if fmt == "extxyz":
+            frames = _xyz_frames(path)
+            for k in _select(path, len(frames), index):
+                items.append({"file": str(path), "frame": k, "offset": frames[k][0],
+                              "natoms": frames[k][1], "key": frames[k][2]})
+        else:  # other formats: read here and ship the structures (not lazy)
+            try:
+                frames = ase.io.read(str(path), index=":")
+            except Exception as exc:
+                raise ScreenError(f"{path}: cannot be read by ASE ({type(exc).__name__}: {exc})") from exc
+            frames = frames if isinstance(frames, list) else [frames]
+            for k in _select(path, len(frames), index):
+                items.append({"file": str(path), "frame": k, "atoms": frames[k],
+                              "natoms": len(frames[k]), "key": _key(frames[k])})
+    return items
+
+
+def _problem(atoms, item: dict, model: str) -> tp.Optional[str]:
+    """Why ``atoms`` cannot be evaluated by ``model``, or None."""
+    import numpy as np
+    from ase.data import atomic_numbers, chemical_symbols
+
+    from .cli import _elements
+
+    where = f"{item['file']}, frame {item['frame']}"
+    if len(atoms) == 0:
+        return f"{where}: no atoms"
+    symbols = _elements(model)
+    supported = {atomic_numbers[s] for s in symbols}
+    for j, z in enumerate(atoms.numbers):
+        if int(z) not in supported:
+            return (f"{where}: element {chemical_symbols[int(z)]} (atom {j + 1}) is not "
+                    f"supported by {model}, which covers {' '.join(symbols)}")
+    bad = np.flatnonzero(~np.isfinite(atoms.positions).all(axis=1))
+    if bad.size:
+        return f"{where}: non-finite coordinates (atom {int(bad[0]) + 1})"
+    return None
+
+
+def _key(atoms) -> tuple:
+    """Structures with equal keys (cell and pbc) may share a batch, as in ``cli._batches``."""
+    return (tuple(bool(p) for p in atoms.pbc),
+            atoms.cell.array.tobytes() if atoms.pbc.any() else b"")
+
+
+def _describe(items: tp.List[dict], model: str) -> list:
+    """Worker task: ``[(natoms, cell key, problem or None)]`` of each item (the
+    periodic frames, whose cell the comment-line scan leaves to a full parse)."""
+    out = []
+    files: dict = {}
+    for item in items:
+        try:
+            atoms = _read_frame(item, files)
+        except Exception as exc:
+            out.append((item["natoms"], None, f"{item['file']}, frame {item['frame']}: "
+                                              f"cannot be parsed ({type(exc).__name__}: {exc})"))
+            continue
+        out.append((len(atoms), _key(atoms), _problem(atoms, item, model)))
+    for f in files.values():
+        f.close()
+    return out
+
+
+def _plan(meta: list, batch_size: int, max_slots: int = 32768) -> tp.List[tp.List[int]]:
+    """Batches of item indices, exactly as the local command forms them
+    (``cli._batches``: same cell and pbc, ascending size, at most ``batch_size``
+    structures and ``max_slots`` padded atoms), so results are the same bits."""
+    groups: dict = {}
+    for i, (_, key, problem) in enumerate(meta):
+        if problem is None:
+            groups.setdefault(key, []).append(i)
+    batches = []
+    for idxs in groups.values():
+        idxs.sort(key=lambda i: meta[i][0])
+        batch: list = []
+        for i in idxs:
+            size = meta[i][0]
+            if batch and (len(batch) >= batch_size or (len(batch) + 1) * size > max_slots):
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            batches.append(batch)
+    return batches
+
+
+# ---------------------------------------------------------------- worker side
+def _worker_model(name: str, device: tp.Optional[str], dtype: str):
+    """The patched model of this worker process, built on first use and kept."""
+    import torch
+
+    from .models import MODELS
+
+    torch.set_num_threads(1)  # one worker process = one core
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    key = (name, device, dtype)
+    if key not in _WORKER_MODELS:
+        _WORKER_MODELS[key] = MODELS[name](device=device, dtype=getattr(torch, dtype))
+        _WORKER_LOADS[0] += 1
+    return _WORKER_MODELS[key]
+
+
+def _worker_loads() -> int:
+    """How many models this process has built (``client.run(_worker_loads)``)."""
+    return _WORKER_LOADS[0]
+
+
+def _energy_records(model, spec: dict, items: list, atoms_list: list) -> list:
+    """Energies (forces, Hessians) of one batch, computed as the local command does."""
+    import torch
+
+    from .models import energies_forces, energies_forces_hessians
+
+    ref = next(model.parameters())
+    natoms = [len(a) for a in atoms_list]
+    amax = max(natoms)
+    species = torch.full((len(atoms_list), amax), -1, dtype=torch.long)
+    coords = torch.zeros((len(atoms_list), amax, 3), dtype=torch.float64)
+    for k, a in enumerate(atoms_list):
+        species[k, :len(a)] = torch.from_numpy(a.numbers)
+        coords[k, :len(a)] = torch.from_numpy(a.positions)
+    species = species.to(ref.device)
+    first = atoms_list[0]
+    cell = pbc = None
+    if first.pbc.any():
+        cell = torch.tensor(first.cell.complete().array, dtype=ref.dtype, device=ref.device)
+        pbc = torch.tensor(first.pbc, dtype=torch.bool, device=ref.device)
+    h = f = None
+    if spec["hessians"]:
+        e, f, h = energies_forces_hessians(model, species, coords, cell, pbc)
+    elif spec["forces"]:
+        e, f = energies_forces(model, species, coords, cell, pbc)
+    else:
+        with torch.no_grad():
+            x = coords.to(device=ref.device, dtype=ref.dtype)
+            e = model((species, x), cell=cell, pbc=pbc).energies
+    e = e.cpu().double()
+    f = None if f is None else f.cpu().double()
+    records = []
+    for k, item in enumerate(items):
+        a = natoms[k]
+        rec = {"i": item["i"], "energy": float(e[k])}
+        if f is not None:
+            rec["forces"] = f[k, :a].tolist()
+        if h is not None:
+            rec["hessians"] = h[k, :3 * a, :3 * a].cpu().double().tolist()
+        records.append(rec)
+    return records
+
+
+def _energy_task(spec: dict, items: list) -> list:
+    """Worker task: one record per item of a batch; a failing batch is retried
+    structure by structure so one bad structure costs only its own result."""
+    model = _worker_model(spec["model"], spec["device"], spec["dtype"])
+    records, good, atoms_list = _checked(spec, items)
+    items = good
+    if not items:
+        return records
+    try:
+        return records + _energy_records(model, spec, items, atoms_list)
+    except Exception as exc:
+        if len(items) == 1:
+            return records + [_error_record(items[0], f"{type(exc).__name__}: {exc}")]
+    for item, atoms in zip(items, atoms_list):
+        try:
+            records.extend(_energy_records(model, spec, [item], [atoms]))
+        except Exception as exc:
+            records.append(_error_record(item, f"{type(exc).__name__}: {exc}"))
+    return records
+
+
+def _checked(spec: dict, items: list) -> tuple:
+    """``(error records, good items, their atoms)``: a frame that cannot be parsed or
+    evaluated (element, coordinates) is reported and left out of the batch."""
+    records, good, atoms_list = [], [], []
+    files: dict = {}
+    try:
+        for item in items:
+            try:
+                atoms = _read_frame(item, files)
+            except Exception as exc:
+                records.append(_error_record(item, f"cannot be parsed ({type(exc).__name__}: {exc})"))
+                continue
+            problem = _problem(atoms, item, spec["model"])
+            if problem is not None:
+                records.append(_error_record(item, problem))
+                continue
+            good.append(item)
+            atoms_list.append(atoms)
+    finally:
+        for f in files.values():
+            f.close()
+    return records, good, atoms_list
+
+
+def _optimize_task(spec: dict, items: list) -> list:
+    """Worker task: relax each item as the local ``optimize`` command does."""
+    import ase.io
+    import numpy as np
+
+    from .ase import Calculator
+    from .cli import _frozen_copy, _optimizer_class
+
+    model = _worker_model(spec["model"], spec["device"], spec["dtype"])
+    calc = Calculator(model)
+    records, items, atoms_list = _checked(spec, items)
+    for item, atoms in zip(items, atoms_list):
+        try:
+            atoms = atoms.copy()
+            atoms.calc = calc
+            e0 = atoms.get_potential_energy()
+            opt = _optimizer_class(spec["optimizer"])(atoms, logfile=None)
+            start = time.perf_counter()
+            converged = bool(opt.run(fmax=spec["fmax"], steps=spec["steps"]))
+            seconds = time.perf_counter() - start
+            e1 = atoms.get_potential_energy()
+            fmax = float(np.sqrt((atoms.get_forces() ** 2).sum(axis=1).max()))
+        except Exception as exc:
+            records.append(_error_record(item, f"{type(exc).__name__}: {exc}"))
+            continue
+        final = _frozen_copy(atoms, calc.results)
+        final.info = {k: v for k, v in final.info.items() if v is not True}
+        final.info.update(source=item["file"], frame=item["frame"], optimizer=spec["optimizer"],
+                          steps=opt.nsteps, converged=converged, fmax=fmax)
+        text = io.StringIO()
+        ase.io.write(text, final, format="extxyz")
+        records.append({"i": item["i"], "xyz": text.getvalue(),
+                        "row": [item["file"], item["frame"], len(atoms), opt.nsteps, converged,
+                                e0, e1, fmax, seconds]})
+    return records
+
+
+def _error_record(item: dict, message: str) -> dict:
+    if not message.startswith(item["file"]):
+        message = f"{item['file']}, frame {item['frame']}: {message}"
+    return {"i": item["i"], "error": message}
+
+
+# ---------------------------------------------------------------- partial file
+class _Partial:
+    """``OUTPUT.partial``: a header line, then one JSON record per finished structure.
+
+    Records of a batch are written and flushed together; a line cut short by an
+    interruption is dropped on resume.
+    """
+
+    def __init__(self, output: Path, header: dict, resume: bool):
+        self.path = output.with_name(output.name + ".partial")
+        self.done: tp.Dict[int, int] = {}  # structure index -> byte offset of its record
+        if self.path.exists() and not resume:
+            raise ScreenError(f"{self.path} exists (an interrupted run): pass --resume to "
+                              "continue it, or delete it to start over")
+        if resume and self.path.exists():
+            self._load(header)
+            self.file = open(self.path, "ab")
+        else:
+            self.file = open(self.path, "wb")
+            self.file.write((json.dumps({"torchani_fast_screen": header}) + "\n").encode())
+            self.file.flush()
+
+    def _load(self, header: dict) -> None:
+        with open(self.path, "rb") as f:
+            first = f.readline()
+            try:
+                old = json.loads(first)["torchani_fast_screen"]
+            except (ValueError, KeyError, TypeError):
+                raise ScreenError(f"{self.path}: not a torchani-fast partial file") from None
+            if old != header:
+                diff = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
+                raise ScreenError(f"{self.path} was written for other inputs or options "
+                                  f"({', '.join(diff)} differ); rerun with the same arguments "
+                                  "or delete it")
+            end = pos = len(first)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # cut short by the interruption
+                try:
+                    self.done.setdefault(int(json.loads(line)["i"]), pos)
+                except (ValueError, KeyError, TypeError):
+                    break
+                pos += len(line)
+                end = pos
+        with open(self.path, "r+b") as f:
+            f.truncate(end)
+
+    def write(self, records: list) -> None:
+        pos = self.file.tell()
+        chunk = bytearray()
+        for rec in records:
+            if rec["i"] in self.done:
+                continue  # already written (a batch recomputed after a lost result)
+            line = (json.dumps(rec) + "\n").encode()
+            self.done[rec["i"]] = pos + len(chunk)
+            chunk += line
+        self.file.write(chunk)
+        self.file.flush()
+
+    def records(self) -> tp.Callable[[int], dict]:
+        """Record ``i``, read back from the partial file."""
+        reader = open(self.path, "rb")
+
+        def get(i: int) -> dict:
+            reader.seek(self.done[i])
+            return json.loads(reader.readline())
+
+        get.close = reader.close  # type: ignore[attr-defined]
+        return get
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _Memory:
+    """Records kept in memory (output to stdout: nothing to resume)."""
+
+    def __init__(self):
+        self.done: tp.Dict[int, dict] = {}
+
+    def write(self, records: list) -> None:
+        for rec in records:
+            self.done.setdefault(rec["i"], rec)
+
+    def records(self):
+        get = self.done.__getitem__
+        return _Getter(get, lambda: None)
+
+    def close(self) -> None:
+        pass
+
+
+class _Getter:
+    def __init__(self, get, close):
+        self.get, self.close = get, close
+
+    def __call__(self, i: int) -> dict:
+        return self.get(i)
+
+
+# ---------------------------------------------------------------- driver
+def _connect(client, scheduler: tp.Optional[str], workers: tp.Optional[int], timeout: float):
+    """``(client, close)``: the given client, one connected to ``scheduler``, or a
+    local cluster of ``workers`` single-threaded processes on 127.0.0.1."""
+    from distributed import Client, LocalCluster
+
+    if client is not None:
+        return client, lambda: None
+    if scheduler:
+        try:  # timeout None: dask's distributed.comm.timeouts.connect (also how long to reconnect)
+            client = Client(scheduler, **({} if timeout is None else {"timeout": timeout}))
+        except (OSError, TimeoutError, ValueError) as exc:
+            raise ScreenError(f"--scheduler {scheduler}: cannot connect to a Dask scheduler "
+                              f"({type(exc).__name__}: {exc})") from exc
+        return client, client.close
+    if workers is None or workers < 1:
+        raise ScreenError(f"--workers must be at least 1, got {workers!r}")
+    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                           host="127.0.0.1", dashboard_address=None)
+    client = Client(cluster)
+
+    def close():
+        client.close()
+        cluster.close()
+
+    return client, close
+
+
+def _execute(client, fn, spec: dict, tasks: list, sink, bar, callback) -> None:
+    """Run ``fn(spec, items)`` for every task with a bounded number in flight,
+    handing each result to ``sink`` as it arrives (in completion order)."""
+    from distributed import as_completed
+
+    from distributed import CancelledError
+
+    tag = uuid.uuid4().hex[:10]
+    nthreads = sum(client.nthreads().values()) or 1
+    # Enough queued per worker to hide the round trips, few enough for the
+    # scheduler's memory; submitted in bulk (each submit call is a round trip
+    # to the client's event loop).
+    window = max(32, 8 * nthreads)
+    submitted = 0
+    running = as_completed(with_results=True, raise_errors=False)
+    in_flight = 0
+
+    def refill() -> None:
+        nonlocal submitted, in_flight
+        if in_flight > window // 2 or submitted == len(tasks):
+            return
+        chunk = tasks[submitted:submitted + window - in_flight]
+        keys = [f"torchani-fast-{tag}-{b}" for b in range(submitted, submitted + len(chunk))]
+        running.update(client.map(fn, [spec] * len(chunk), chunk, key=keys, pure=False))
+        submitted += len(chunk)
+        in_flight += len(chunk)
+
+    refill()
+    for future, records in running:
+        in_flight -= 1
+        if future.status == "cancelled" or isinstance(records, CancelledError):
+            raise ScreenError("lost the Dask scheduler (its connection closed); the results so "
+                              "far are kept, rerun the same command with --resume")
+        if future.status == "error":  # KilledWorker after repeated deaths, or a bug
+            raise ScreenError(f"a Dask task failed ({type(records).__name__}: {records}); the "
+                              "results so far are kept, rerun the same command with --resume")
+        future.release()
+        sink(records)
+        bar.update(len(records))
+        if callback is not None:
+            callback(records)
+        refill()
+
+
+def _dump_columns(out, columns: list, indent: tp.Optional[int]) -> None:
+    """Write ``{key: [values...], ...}`` as ``json.dumps(..., indent=indent)`` would,
+    one value at a time (the values come from generators, never all in memory)."""
+    if indent is None:
+        out.write("{")
+        for c, (key, values) in enumerate(columns):
+            out.write((", " if c else "") + json.dumps(key) + ": [")
+            for k, value in enumerate(values):
+                out.write((", " if k else "") + json.dumps(value))
+            out.write("]")
+        out.write("}\n")
+        return
+    pad, pad2 = " " * indent, " " * (2 * indent)
+    out.write("{\n")
+    for c, (key, values) in enumerate(columns):
+        out.write((",\n" if c else "") + pad + json.dumps(key) + ": [")
+        empty = True
+        for k, value in enumerate(values):
+            text = json.dumps(value, indent=indent).replace("\n", "\n" + pad2)
+            out.write(("," if k else "") + "\n" + pad2 + text)
+            empty = False
+        out.write("]" if empty else "\n" + pad + "]")
+    out.write("\n}\n")
+
+
+def _entry(item: dict, rec: dict) -> dict:
+    entry = {"file": item["file"], "frame": item["frame"], "natoms": item["natoms"]}
+    if "error" in rec:
+        entry["error"] = rec["error"]
+    return entry
+
+
+def _write_energy(out, items: list, get, spec: dict, indent) -> None:
+    n = len(items)
+    columns = [("energies", (get(i).get("energy") for i in range(n)))]
+    if spec["hessians"]:
+        columns.append(("hessians", (get(i).get("hessians") for i in range(n))))
+    if spec["forces"] or spec["hessians"]:
+        columns.append(("forces", (get(i).get("forces") for i in range(n))))
+    columns.append(("structures", (_entry(items[i], get(i)) for i in range(n))))
+    _dump_columns(out, columns, indent)
+
+
+def _write_optimized(out, items: list, get) -> None:
+    import ase.io
+
+    for i, item in enumerate(items):
+        rec = get(i)
+        if "xyz" in rec:
+            out.write(rec["xyz"])
+            continue
+        try:  # the input structure, flagged, so the failure is in the output
+            atoms = _read_frame(item).copy()
+        except Exception:
+            continue
+        atoms.info = {k: v for k, v in atoms.info.items() if v is not True}
+        atoms.info.update(source=item["file"], frame=item["frame"], converged=False,
+                          error=rec["error"])
+        ase.io.write(out, atoms, format="extxyz")
+
+
+def _result(item: dict, rec: dict, command: str) -> dict:
+    """The per-structure result the API returns."""
+    import ase.io
+
+    res = _entry(item, rec)
+    if command == "energy":
+        res.update({k: rec[k] for k in ("energy", "forces", "hessians") if k in rec})
+    elif "row" in rec:
+        res.update(zip(("steps", "converged", "energy_start", "energy_final", "fmax", "seconds"),
+                       rec["row"][3:]))
+        res["atoms"] = ase.io.read(io.StringIO(rec["xyz"]), format="extxyz")
+    return res
+
+
+def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, client=None,
+           scheduler: tp.Optional[str] = None, workers: tp.Optional[int] = None,
+           model: str = "ANI2x", dtype: tp.Optional[str] = None, device: tp.Optional[str] = None,
+           forces: bool = False, hessians: bool = False, index: str = ":", batch_size: int = 64,
+           fmax: float = 0.01, steps: int = 1000, optimizer: str = "BFGS",
+           output: tp.Union[str, Path, None] = None, indent: tp.Optional[int] = 4,
+           resume: bool = False, progress: bool = False, return_results: bool = True,
+           callback: tp.Optional[tp.Callable[[list], None]] = None,
+           timeout: tp.Optional[float] = None) -> tp.Optional[tp.List[dict]]:
+    """Energies or relaxed geometries of every structure of ``files`` on a Dask cluster.
+
+    Parameters
+    ----------
+    files : sequence of str or Path
+        Structure files, any format ASE reads; extended XYZ is read lazily by the
+        workers (frame by byte offset), other formats are read here and shipped.
+    command : {"energy", "optimize"}
+        What the ``torchani-fast`` subcommand of that name computes.
+    client : distributed.Client, optional
+        A connected client. Otherwise one is made for ``scheduler`` (an address,
+        ``tcp://host:8786``) or for a local cluster of ``workers`` processes.
+    model, dtype, device, forces, hessians, index, batch_size, fmax, steps, optimizer
+        As the command's options (``dtype`` defaults to float32 for energy and
+        float64 for optimize; ``device`` to cuda if the worker has it, else cpu).
+    output : str or Path, optional
+        Final file: JSON (energy, with ``indent``) or extended XYZ (optimize),
+        written at the end; records stream to ``OUTPUT.partial`` meanwhile.
+        Without it nothing is written (and nothing can be resumed).
+    resume : bool
+        Continue the run that left ``OUTPUT.partial`` (same arguments).
+    progress : bool
+        Show a progress bar over structures (with throughput) on stderr.
+    return_results : bool
+        Return the per-structure results (False for runs too big for memory).
+    callback : callable, optional
+        Called with the records of every finished batch (as they arrive).
+    timeout : float, optional
+        Seconds to wait for the scheduler when connecting (and reconnecting);
+        default dask's ``distributed.comm.timeouts.connect``.
+
+    Returns
+    -------
+    list of dict or None
+        One dict per structure, in input order: ``file``, ``frame``, ``natoms``,
+        then ``energy`` (Hartree), ``forces`` (Hartree/Å), ``hessians`` or, for
+        optimize, ``atoms``, ``steps``, ``converged``, ``energy_start``,
+        ``energy_final`` (eV), ``fmax``; ``error`` (a message) for a structure
+        that could not be evaluated.
+
+    Raises
+    ------
+    ScreenError
+        Unreadable input, a foreign ``.partial`` file, a lost scheduler.
+    """
+    from .cli import _MODEL_NAMES, _progress
+
+    if command not in ("energy", "optimize"):
+        raise ScreenError(f"command must be 'energy' or 'optimize', got {command!r}")
+    model = _MODEL_NAMES.get(str(model).lower(), model)
+    if model not in _MODEL_NAMES.values():
+        raise ScreenError(f"unknown model {model!r}; choose one of {', '.join(_MODEL_NAMES.values())}")
+    if batch_size < 1:
+        raise ScreenError(f"batch_size must be at least 1, got {batch_size!r}")
+    if resume and output is None:
+        raise ScreenError("resume needs an output file (-o): the partial results live next to it")
+    dtype = dtype or ("float32" if command == "energy" else "float64")
+    paths = [Path(p) for p in files]
+    items = _items(paths, index)
+    for i, item in enumerate(items):
+        item["i"] = i
+    spec = {"version": _FORMAT_VERSION, "command": command, "files": [str(p) for p in paths],
+            "index": index, "structures": len(items), "model": model, "dtype": dtype,
+            "device": device}
+    if command == "energy":
+        spec.update(forces=bool(forces or hessians), hessians=bool(hessians), batch_size=batch_size)
+    else:
+        spec.update(fmax=float(fmax), steps=int(steps), optimizer=str(optimizer).upper())
+    output = None if output is None else Path(output)
+    sink = _Memory() if output is None else _Partial(output, spec, resume)
+    close = lambda: None  # noqa: E731
+    try:
+        client, close = _connect(client, scheduler, workers, timeout)
+        n = len(items)
+        if sink.done:
+            print(f"resuming {sink.path}: {len(sink.done)} of {n} structure(s) already done",
+                  file=sys.stderr)
+        # Sizes and cells (to batch as the local command does): from the scan, or
+        # for periodic frames from the workers.
+        meta = [(item["natoms"], item["key"], None) for item in items]
+        todo = [item for item in items if item["key"] is None]
+        chunks = [todo[s:s + _DESCRIBE_CHUNK] for s in range(0, len(todo), _DESCRIBE_CHUNK)]
+        parts = client.gather([client.submit(_describe, c, model, pure=False) for c in chunks])
+        for chunk, part in zip(chunks, parts):
+            for item, m in zip(chunk, part):
+                meta[item["i"]] = m
+        sink.write([_error_record(items[i], m[2]) for i, m in enumerate(meta)
+                    if m[2] is not None and i not in sink.done])
+        if command == "energy":
+            fn, batches = _energy_task, _plan(meta, batch_size)
+        else:
+            good = [i for i, m in enumerate(meta) if m[2] is None]
+            fn, batches = _optimize_task, [good[s:s + 4] for s in range(0, len(good), 4)]
+        tasks = [[items[i] for i in b] for b in batches if any(i not in sink.done for i in b)]
+        bar = _progress(total=n, initial=len(sink.done), desc=command, unit="structure",
+                        disable=not progress)
+        try:
+            _execute(client, fn, spec, tasks, sink.write, bar, callback)
+        finally:
+            bar.close()
+    finally:
+        close()
+        if isinstance(sink, _Partial):
+            sink.close()
+    return _finish(sink, items, spec, output, indent, return_results)
+
+
+def _finish(sink, items: list, spec: dict, output: tp.Optional[Path], indent, return_results):
+    """Write the final file (then drop the partial one) and the API's results."""
+    get = sink.records()
+    try:
+        if output is not None:
+            tmp = output.with_name(output.name + ".writing")
+            with open(tmp, "w") as out:
+                if spec["command"] == "energy":
+                    _write_energy(out, items, get, spec, indent)
+                else:
+                    _write_optimized(out, items, get)
+            os.replace(tmp, output)
+            sink.path.unlink()
+        if not return_results:
+            return None
+        return [_result(item, get(i), spec["command"]) for i, item in enumerate(items)]
+    finally:
+        get.close()
+
+
+def run_command(args) -> int:
+    """``torchani-fast energy|optimize`` with ``--scheduler`` or ``--workers``."""
+    from types import SimpleNamespace
+
+    from .cli import CLIError, _print_table
+
+    common = dict(client=None, scheduler=args.scheduler, workers=args.workers, model=args.model,
+                  dtype=args.dtype, device=args.device, index=args.index, resume=args.resume,
+                  progress=not args.no_progress)
+    try:
+        if args.command == "energy":
+            results = screen(args.files, "energy", forces=args.forces, hessians=args.hessians,
+                             batch_size=args.batch_size, output=args.output,
+                             indent=4 if args.output else None, **common)
+            if args.output is None:  # the JSON goes to stdout, as the local command's
+                spec = {"forces": args.forces or args.hessians, "hessians": args.hessians}
+                _write_energy(sys.stdout, results, results.__getitem__, spec, None)
+            else:
+                print(f"{len(results)} structure(s) -> {args.output}", file=sys.stderr)
+        else:
+            results = screen(args.files, "optimize", fmax=args.fmax, steps=args.steps,
+                             optimizer=args.optimizer, output=args.output, **common)
+            rows = [(r["file"], r["frame"], r["natoms"], r["steps"], r["converged"],
+                     r["energy_start"], r["energy_final"], r["fmax"], r["seconds"])
+                    for r in results if "error" not in r]
+            if rows:
+                _print_table(rows, SimpleNamespace(fmax=args.fmax, optimizer=args.optimizer,
+                                                   model=args.model, dtype=args.dtype,
+                                                   output=args.output))
+    except ScreenError as exc:
+        raise CLIError(str(exc)) from exc
+    failed = [r["error"] for r in results if "error" in r]
+    for message in failed:
+        print(f"torchani-fast {args.command}: failed: {message}", file=sys.stderr)
+    if failed:
+        print(f"{len(failed)} of {len(results)} structure(s) failed (reported in the output)",
+              file=sys.stderr)
+    return 0

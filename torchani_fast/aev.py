@@ -187,6 +187,10 @@ class AEVComputer(torch.nn.Module):
         return self._aev(elem_idxs, neighbors.indices, neighbors.diff_vectors)
 
     def _aev(self, elem_idxs: Tensor, pairs: Tensor, diff_vectors: Tensor) -> Tensor:
+        if diff_vectors.dtype != self.radial.eta.dtype:
+            # float32 coords into a float64 model: promoted as TorchANI does
+            # (validation.DTYPE_RULE; the other way round is refused before).
+            diff_vectors = diff_vectors.to(self.radial.eta.dtype)
         return ops.aev(
             elem_idxs, pairs, diff_vectors,
             self.radial.eta, self.radial.shifts,

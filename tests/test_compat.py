@@ -104,3 +104,14 @@ def test_float32_coords_with_float64_cell_refused_like_torchani(pair64):
 def test_dtype_rule_documented_once():
     assert "float32 coords into a float64 model are promoted" in DTYPE_RULE
     assert torchani.__version__  # the TorchANI this ran against, for the log
+
+
+def test_aev_computer_shape_errors_stay_assertion_errors(pair64):
+    # TorchANI's own test_energies.py calls model.aev_computer directly with a bad shape.
+    ref, fast = pair64
+    species, coords = torch.tensor([[0, 1, 2, 3]]), torch.zeros((1, 3, 3), dtype=torch.float64)
+    for model in (ref, fast):
+        with pytest.raises(AssertionError):
+            model.aev_computer(species, coords)
+    with pytest.raises(ValueError, match="coords must have shape"):
+        fast.aev_computer(species, coords)

@@ -14,6 +14,9 @@ import torchani.ase
 from torchani_fast import cli
 from conftest import MOLECULES, atoms_to_tensors, energy_forces, model_pair, read_molecule
 
+# The command line loads the published weights (and the references must match them).
+pytestmark = pytest.mark.usefixtures("weights")
+
 
 @pytest.fixture(scope="module")
 def pair():

@@ -25,7 +25,7 @@ def ligand():
     return atoms_to_tensors(read_molecule("3lka_ligand.xyz"))
 
 
-def test_ani2x_factory_loads_patched_model_equal_to_torchani():
+def test_ani2x_factory_loads_patched_model_equal_to_torchani(weights):
     ref = reference_model("ANI2x", torch.float64)
     model = fm.ANI2x(dtype=torch.float64)
     from torchani_fast.patch import is_patched

@@ -11,7 +11,7 @@ import torchani
 
 import torchani_fast
 from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, unsupported_reason
-from conftest import energy_forces, model_pair, read_molecule
+from conftest import energy_forces, model_pair, read_molecule, reference_model
 
 F32_EPS = torch.finfo(torch.float32).eps
 
@@ -137,7 +137,7 @@ def test_single_networks_model_getitem_and_model_index():
     with pytest.raises(ValueError, match="ensemble"):
         single_fast[0]  # like TorchANI: a single network has no members
 
-    ref0 = torchani.models.ANI2x(model_index=0).double()
+    ref0 = reference_model("ANI2x", torch.float64)[0]
     fast0 = torchani_fast.patch(copy.deepcopy(ref0))
     assert isinstance(fast0.potentials["nnp"].neural_networks, FusedNetworks)
     assert fast0.state_dict().keys() == ref0.state_dict().keys()

@@ -121,7 +121,7 @@ def test_members_and_active_subsets(batch64):
 
 
 def test_model_index_and_float64_model():
-    ref = torchani.models.ANI2x(model_index=3).double()
+    ref = reference_model("ANI2x", torch.float64)[3]
     fast = torchani_fast.patch(copy.deepcopy(ref))
     species, coords, _, _ = atoms_to_tensors(read_molecule("3lka_ligand.xyz"))
     e_ref, f_ref = energy_forces(ref, species, coords)
@@ -148,7 +148,7 @@ def test_patch_twice_and_strict_state_dict(pair64, batch64):
     again = torchani_fast.patch(fast)
     assert again is fast and torchani_fast.is_patched(fast)
     assert set(fast.state_dict()) == set(ref.state_dict())
-    fresh = torchani_fast.patch(torchani.models.ANI2x()).double()
+    fresh = torchani_fast.patch(reference_model("ANI2x", torch.float32)).double()
     fresh.load_state_dict(ref.state_dict(), strict=True)
     torch.testing.assert_close(fresh((species, coords)).energies, ref((species, coords)).energies,
                                rtol=1e-10, atol=0)

@@ -12,7 +12,7 @@ from torch.jit import Final
 from torchani.neighbors import Neighbors
 
 from . import ops
-from .validation import check_periodic_work
+from .validation import InputError, check_periodic_work
 
 __all__ = ["AEVComputer", "NeighborList"]
 
@@ -171,6 +171,12 @@ class AEVComputer(torch.nn.Module):
         """AEVs (M, A, out_dim) of a batch; see ``torchani.aev.AEVComputer.forward``."""
         if coords is None:
             raise ValueError("coords is required")
+        # TorchANI's AEVComputer asserts these (InputError is also an AssertionError).
+        if elem_idxs.dim() != 2:
+            raise InputError("species must have shape (molecules, atoms), got {}".format(list(elem_idxs.shape)))
+        if coords.shape != (elem_idxs.shape[0], elem_idxs.shape[1], 3):
+            raise InputError("coords must have shape (molecules, atoms, 3) = {} to match species, got {}".format(
+                [elem_idxs.shape[0], elem_idxs.shape[1], 3], list(coords.shape)))
         neighbors = self.neighborlist(float(self.radial.cutoff), elem_idxs, coords, cell, pbc)
         return self._aev(elem_idxs, neighbors.indices, neighbors.diff_vectors)
 
@@ -187,6 +193,10 @@ class AEVComputer(torch.nn.Module):
         return self._aev(elem_idxs, neighbors.indices, neighbors.diff_vectors)
 
     def _aev(self, elem_idxs: Tensor, pairs: Tensor, diff_vectors: Tensor) -> Tensor:
+        if diff_vectors.dtype != self.radial.eta.dtype:
+            # float32 coords into a float64 model: promoted as TorchANI does
+            # (validation.DTYPE_RULE; the other way round is refused before).
+            diff_vectors = diff_vectors.to(self.radial.eta.dtype)
         return ops.aev(
             elem_idxs, pairs, diff_vectors,
             self.radial.eta, self.radial.shifts,

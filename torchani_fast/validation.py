@@ -10,7 +10,14 @@ element-wise checks below run and word the error (on CUDA each reduction is
 one host synchronisation).
 
 Choices (documented in the README, "Errors"):
-- a coordinates dtype different from the model's is refused, never converted;
+- errors TorchANI reports with an ``AssertionError`` (the species' rank, the
+  coordinates' shape, a non-zero charge) raise :class:`InputError`, which is
+  both a ``ValueError`` and an ``AssertionError``, so code written against
+  TorchANI (``except AssertionError``) keeps catching them; every other input
+  error stays a plain ``ValueError`` or ``TypeError``;
+- dtypes follow :data:`DTYPE_RULE`: float32 coordinates into a float64 model
+  are promoted, as TorchANI does; float64 coordinates into a float32 model are
+  refused (TorchANI fails inside a matrix product there);
 - padding atoms (species -1) may carry any coordinates, NaN included;
 - an all-False ``pbc`` means "not periodic" (TorchANI raises), ``cell`` without
   ``pbc`` is refused as ambiguous.
@@ -22,7 +29,31 @@ from torch import Tensor
 from torchani.constants import PERIODIC_TABLE
 from torchani.nn import SpeciesConverter as _TorchaniSpeciesConverter
 
-__all__ = ["check_inputs", "check_cell_pbc", "SpeciesConverter"]
+__all__ = ["InputError", "DTYPE_RULE", "check_inputs", "check_cell_pbc", "SpeciesConverter"]
+
+DTYPE_RULE = """\
+The one dtype rule of a patched model (coords, cell and the model's floating dtype):
+- coords of the model's dtype run as they are (no conversion on the hot path);
+- float32 coords into a float64 model are promoted, as TorchANI promotes them:
+  the pair vectors are formed from the float32 coords (as TorchANI forms
+  them) and converted once to float64, so energies are float64, agree with
+  TorchANI to the float32 rounding of the geometry (~1e-11 relative on the
+  energy) and the gradient reaches the float32 input in float32; a cell, if
+  given, must be float32 like the coords (TorchANI fails on a float64 cell);
+- float64 coords into a float32 model are refused (TorchANI raises an opaque
+  matrix-product dtype error there; silently rounding the input is not done);
+- any other coords dtype (float16, bfloat16, integers) is refused.
+"""
+
+
+class InputError(ValueError, AssertionError):
+    """A bad input that TorchANI reports with an ``AssertionError``.
+
+    Deriving from both keeps ``except ValueError`` (torchani_fast's documented
+    error) and ``except AssertionError`` (what TorchANI raises, and what code
+    and tests written against TorchANI catch) working. Under TorchScript every
+    exception surfaces as ``torch.jit.Error``, for TorchANI as for a patched model.
+    """
 
 
 def _where(flat_index: int, num_atoms: int) -> str:
@@ -51,16 +82,17 @@ def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtyp
     if species.dtype != torch.long and species.dtype != torch.int:
         raise ValueError("species must be an integer tensor (int64 or int32), got {}".format(_dtype(species.dtype)))
     if species.dim() != 2:
-        raise ValueError("species must have shape (molecules, atoms), got {}".format(list(species.shape)))
+        raise InputError("species must have shape (molecules, atoms), got {}".format(list(species.shape)))
     if species.shape[0] == 0 or species.shape[1] == 0:
         raise ValueError("species is empty (shape {}): nothing to compute".format(list(species.shape)))
     if coords.dim() != 3 or coords.shape[0] != species.shape[0] or coords.shape[1] != species.shape[1] \
             or coords.shape[2] != 3:
-        raise ValueError("coords must have shape (molecules, atoms, 3) = {} to match species, got {}".format(
+        raise InputError("coords must have shape (molecules, atoms, 3) = {} to match species, got {}".format(
             [species.shape[0], species.shape[1], 3], list(coords.shape)))
     if coords.dtype != torch.float and coords.dtype != torch.double:
         raise ValueError("coords must be float32 or float64, got {}".format(_dtype(coords.dtype)))
-    if coords.dtype != dtype:
+    if coords.dtype != dtype and not (coords.dtype == torch.float and dtype == torch.double):
+        # DTYPE_RULE: only float32 -> float64 is promoted (by the AEV computer).
         raise ValueError(
             "coords are {} but the model is {}: convert one of them explicitly "
             "(coords.to({}) or model.to({}))".format(_dtype(coords.dtype), _dtype(dtype), _dtype(dtype), _dtype(coords.dtype)))
@@ -69,7 +101,7 @@ def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtyp
     if coords.device != device:
         raise ValueError("the inputs are on {} but the model is on {}".format(coords.device, device))
     if charge != 0:
-        raise ValueError("charge must be 0 (ANI models describe neutral molecules), got {}".format(charge))
+        raise InputError("charge must be 0 (ANI models describe neutral molecules), got {}".format(charge))
     if coords.device.type == "cpu" and torch.ops.torchani_fast.first_invalid_atom(species, coords.detach()) < 0:
         return  # one pass in C++ found nothing; the checks below word the error otherwise
     bad = species < -1

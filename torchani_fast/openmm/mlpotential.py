@@ -25,7 +25,7 @@ from openmmml.mlpotential import MLPotentialImpl, MLPotentialImplFactory
 
 from .force import MODELS, create_python_force
 
-__all__ = ["ANIFastPotentialImpl", "ANIFastPotentialImplFactory"]
+__all__ = ["ANIFastPotentialImpl", "ANIFastPotentialImplFactory", "register"]
 
 IMPLEMENTATIONS = ("python", "torchforce")
 
@@ -76,3 +76,15 @@ class ANIFastPotentialImpl(MLPotentialImpl):
     def getMLLongRange(self) -> bool:
         """ANI is short-ranged (5.1 Å cutoff): the embedding adds the long-range terms."""
         return False
+
+
+def register() -> None:
+    """Register the names of :data:`MODELS` with openmm-ml by hand.
+
+    Only needed where torchani_fast's entry points are not installed (running
+    from a source tree on ``PYTHONPATH``); a ``pip install`` registers them.
+    """
+    from openmmml.mlpotential import MLPotential
+
+    for name in MODELS:
+        MLPotential.registerImplFactory(name, ANIFastPotentialImplFactory())

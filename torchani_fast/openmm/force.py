@@ -197,8 +197,12 @@ class ANIComputation:
             if self.periodic:
                 self._cell = torch.tensor(self._box * 10.0, dtype=self.dtype, device=self.device)
                 self._pbc = torch.ones(3, dtype=torch.bool, device=self.device)
+        # A CUDA graph would replay the neighbour search as captured, for the box
+        # of the capture; a periodic box can change (barostat), so those steps
+        # run eagerly, reading the cell tensor at every call. (CPU: always eager.)
         self._step = EnergyForcesStep(self.model, species, self._x, self._cell, self._pbc,
-                                      max_pairs=max_pairs, check_every=0)
+                                      max_pairs=max_pairs, check_every=0,
+                                      cuda_graph=not self.periodic)
         self.rebuilds += 1
 
     def _set_box(self, box: np.ndarray) -> None:

@@ -23,7 +23,6 @@ import torch
 
 import openmm
 import openmm.app as app
-from openmm import unit
 from openmmml import MLPotential
 from openmmml.mlpotential import MLPotential as _Registry
 
@@ -52,7 +51,8 @@ def systems(n_waters):
     from ase.data import chemical_symbols
 
     out = []
-    for name, path in (("2iuz", ROOT / "examples" / "2iuz_ligand.xyz"), ("1hz5", SHARED / "molecules" / "1hz5.xyz")):
+    files = (("2iuz", ROOT / "examples" / "2iuz_ligand.xyz"), ("1hz5", SHARED / "molecules" / "1hz5.xyz"))
+    for name, path in files:
         if not path.exists():
             print(f"# {name}: {path} not found, skipped")
             continue
@@ -68,7 +68,8 @@ def systems(n_waters):
 def context(potential, top, pos, box, threads):
     system = MLPotential(potential).createSystem(top, removeCMMotion=False)
     integrator = openmm.VerletIntegrator(0.0005)
-    ctx = openmm.Context(system, integrator, openmm.Platform.getPlatformByName("CPU"), {"Threads": str(threads)})
+    cpu = openmm.Platform.getPlatformByName("CPU")
+    ctx = openmm.Context(system, integrator, cpu, {"Threads": str(threads)})
     if box is not None:
         ctx.setPeriodicBoxVectors(*[openmm.Vec3(*r) for r in box])
     ctx.setPositions(pos)

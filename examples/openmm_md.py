@@ -17,7 +17,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import openmm
@@ -78,7 +77,8 @@ def main(argv=None):
     import ase.io
 
     ligand = ase.io.read(HERE / "2iuz_ligand.xyz")
-    run("2iuz ligand in vacuum", topology_of(ligand.get_chemical_symbols()), ligand.positions / 10.0, args.steps)
+    run("2iuz ligand in vacuum", topology_of(ligand.get_chemical_symbols()), ligand.positions / 10.0,
+        args.steps)
 
     z, x, cell, _ = water_box(args.waters)
     symbols = ["O" if int(k) == 8 else "H" for k in z[0]]

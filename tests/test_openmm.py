@@ -18,7 +18,8 @@ import torchani
 
 openmm = pytest.importorskip("openmm", reason="openmm is not installed (pip install openmm)")
 app = pytest.importorskip("openmm.app")
-mlpotential = pytest.importorskip("openmmml.mlpotential", reason="openmm-ml is not installed (pip install openmmml)")
+mlpotential = pytest.importorskip("openmmml.mlpotential",
+                                  reason="openmm-ml is not installed (pip install openmmml)")
 from openmm import unit  # noqa: E402
 
 from torchani_fast.openmm import (  # noqa: E402
@@ -142,7 +143,8 @@ def _triclinic_water(n=20, seed=0):
     """A water box on a skewed (OpenMM reduced-form) cell, atoms left unwrapped: nm."""
     z, x, cell, _ = water_box(n, seed=seed)
     length = float(cell[0, 0])
-    box = np.array([[length, 0, 0], [0.3 * length, 0.95 * length, 0], [-0.2 * length, 0.25 * length, 1.05 * length]])
+    box = np.array([[length, 0, 0], [0.3 * length, 0.95 * length, 0],
+                    [-0.2 * length, 0.25 * length, 1.05 * length]])
     frac = x[0].numpy() / length  # the cubic box's fractional coordinates, on the skewed cell
     shifts = np.random.default_rng(seed).integers(-2, 3, size=frac.shape)  # unwrapped images
     pos = (frac + shifts) @ box
@@ -239,9 +241,10 @@ def test_triclinic_box_with_barostat_steps_matches_torchani_each_time():
         b = st.getPeriodicBoxVectors(asNumpy=True).value_in_unit(unit.nanometer)
         volumes.add(round(float(np.linalg.det(b)), 12))
         e_ref, f_ref = _torchani(ref, numbers, p, b)
-        assert st.getPotentialEnergy().value_in_unit(unit.kilojoule_per_mole) == pytest.approx(e_ref, rel=1e-11)
-        np.testing.assert_allclose(st.getForces(asNumpy=True).value_in_unit(unit.kilojoule_per_mole / unit.nanometer),
-                                   f_ref, rtol=1e-7, atol=1e-5)
+        energy = st.getPotentialEnergy().value_in_unit(unit.kilojoule_per_mole)
+        forces = st.getForces(asNumpy=True).value_in_unit(unit.kilojoule_per_mole / unit.nanometer)
+        assert energy == pytest.approx(e_ref, rel=1e-11)
+        np.testing.assert_allclose(forces, f_ref, rtol=1e-7, atol=1e-5)
     assert len(volumes) > 1, "the barostat never changed the box: the test would prove nothing"
     assert compute.rebuilds == 1  # box changes moved the cell in place; nothing was rebuilt
 
@@ -307,7 +310,7 @@ def test_mixed_system_ml_waters_in_tip3p_stay_bonded_for_200_steps():
         integrator.step(20)
         p = ctx.getState(getPositions=True).getPositions(asNumpy=True).value_in_unit(unit.angstrom)
         for o in ml_atoms[::3]:
-            longest = max(longest, float(np.linalg.norm(p[o + 1] - p[o])), float(np.linalg.norm(p[o + 2] - p[o])))
+            longest = max([longest] + [float(np.linalg.norm(p[o + h] - p[o])) for h in (1, 2)])
     assert math.isfinite(longest) and longest < 1.3, f"an ML O-H bond reached {longest:.2f} Å"
 
 
@@ -420,15 +423,15 @@ def test_torch_force_module_units_and_conventions(tmp_path):
 
 def test_real_torch_force_in_openmm():
     try:
-        import openmmtorch  # noqa: F401
+        import openmmtorch  # noqa: F401  (only whether it imports)
     except Exception as exc:  # no openmm-torch wheel loads with this torch (see docs/openmm.md)
         pytest.skip(f"openmmtorch does not import here: {exc}")
     name = "ani2x-fast"
     numbers, pos = _molecule(name, n=12, seed=6)
     top = _topology(numbers)
     ref = _reference(name)
-    system = MLPotential(name).createSystem(copy.deepcopy(top), implementation="torchforce", dtype=torch.float64,
-                                            device="cpu")
+    system = MLPotential(name).createSystem(copy.deepcopy(top), implementation="torchforce",
+                                            dtype=torch.float64, device="cpu")
     ctx = _context(system, pos)
     energy, forces = _energy_forces(ctx)
     e_ref, f_ref = _torchani(ref, numbers, pos)

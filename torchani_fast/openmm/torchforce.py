@@ -95,7 +95,8 @@ def torch_force_module(name: str, topology, atoms: tp.Optional[tp.Sequence[int]]
 
     dtype = resolve_dtype(dtype)
     device = resolve_device("cpu" if device is None else device)
-    model = copy.deepcopy(load_model(name, model_index, dtype, device))  # scripting must not touch the shared one
+    # A copy: scripting must not touch the model the PythonForces share.
+    model = copy.deepcopy(load_model(name, model_index, dtype, device))
     numbers = atomic_numbers_of(topology, atoms, model.atomic_numbers.tolist(), name)
     if periodic is None:
         periodic = topology.getPeriodicBoxVectors() is not None

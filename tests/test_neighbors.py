@@ -518,9 +518,13 @@ def test_model_refuses_a_cell_far_smaller_than_the_cutoff():
     species = torch.tensor([[8, 1, 1]])
     coords = torch.tensor([[[0.0, 0.0, 0.1], [0.0, 0.75, -0.47], [0.0, -0.75, -0.47]]],
                           dtype=torch.float64)
+    cell, pbc = torch.eye(3, dtype=torch.float64) * 0.01, torch.ones(3, dtype=torch.bool)
+    # The model refuses it before any search (validation.check_periodic_work) ...
+    with pytest.raises(ValueError, match="cell is too small for the cutoff.*nm or bohr"):
+        fast((species, coords), cell=cell, pbc=pbc)
+    # ... and the op itself still bounds its work.
     with pytest.raises(RuntimeError, match="cell is too small for the cutoff"):
-        fast((species, coords), cell=torch.eye(3, dtype=torch.float64) * 0.01,
-             pbc=torch.ones(3, dtype=torch.bool))
+        ops.neighbor_pairs(fast.species_converter(species), coords, cell, pbc, 5.1, False)
 
 
 # ----------------------------------------------------------------------------- energies

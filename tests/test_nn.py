@@ -767,7 +767,7 @@ def test_gpu_activation_budget_follows_the_device(monkeypatch):
         return Props()
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
-    monkeypatch.setattr(torchani_fast.nn, "_DEVICE_BUDGETS", {})
+    monkeypatch.setattr(torchani_fast.nn.recompute, "_DEVICE_BUDGETS", {})
     assert nets.recompute_min_bytes_gpu == -1
     for _ in range(2):
         assert nets._gpu_budget(torch.device("cuda", 1)) == 2 * 2**30

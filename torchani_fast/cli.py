@@ -254,18 +254,50 @@ def _batches(structures: list, batch_size: int, max_slots: int = 32768) -> tp.It
             yield batch
 
 
-def _run_energy(args) -> int:
+def evaluate_batch(model, batch: list, forces: bool, hessians: bool):
+    """Energies (M,), forces (M, A, 3) or None and Hessians (M, 3A, 3A) or None of a
+    batch of ASE Atoms (padded to the largest, one cell and pbc for all), on the
+    model's device and dtype: how `energy` (and `screen`, on a cluster) evaluate a
+    batch, so that both give the same bits."""
     import torch
 
+    from .ase import periodic_cell
     from .models import energies_forces, energies_forces_hessians
 
-    from .ase import periodic_cell
+    ref = next(model.parameters())
+    amax = max(len(a) for a in batch)
+    species = torch.full((len(batch), amax), -1, dtype=torch.long)
+    coords = torch.zeros((len(batch), amax, 3), dtype=torch.float64)
+    for k, a in enumerate(batch):
+        species[k, :len(a)] = torch.from_numpy(a.numbers)
+        coords[k, :len(a)] = torch.from_numpy(a.positions)
+    species = species.to(ref.device)
+    first = batch[0]
+    cell = pbc = None
+    if first.pbc.any():
+        cell = torch.tensor(periodic_cell(first), dtype=ref.dtype, device=ref.device)
+        pbc = torch.tensor(first.pbc, dtype=torch.bool, device=ref.device)
+    if hessians:
+        try:
+            e, f, h = energies_forces_hessians(model, species, coords, cell, pbc)
+        except NotImplementedError as exc:
+            raise CLIError(f"--hessians: {exc}") from exc
+    elif forces:
+        e, f = energies_forces(model, species, coords, cell, pbc)
+        h = None
+    else:  # energies only: no backward pass
+        with torch.no_grad():
+            x = coords.to(device=ref.device, dtype=ref.dtype)
+            e = model((species, x), cell=cell, pbc=pbc).energies
+        f = h = None
+    return e, f, h
 
+
+def _run_energy(args) -> int:
     if _on_cluster(args):
         return _run_screen(args)
     structures = _structures(args.files, args.index, args.model)
     model = _load_model(args.model, args.device, args.dtype)
-    ref = next(model.parameters())
     n = len(structures)
     energies: list = [None] * n
     forces: list = [None] * n
@@ -289,32 +321,8 @@ def _run_energy(args) -> int:
         for idxs in _batches(structures, args.batch_size):
             batch = [structures[i][2] for i in idxs]
             natoms = [len(a) for a in batch]
-            amax = max(natoms)
-            species = torch.full((len(batch), amax), -1, dtype=torch.long)
-            coords = torch.zeros((len(batch), amax, 3), dtype=torch.float64)
-            for k, a in enumerate(batch):
-                species[k, :len(a)] = torch.from_numpy(a.numbers)
-                coords[k, :len(a)] = torch.from_numpy(a.positions)
-            species = species.to(ref.device)
-            first = batch[0]
-            cell = pbc = None
-            if first.pbc.any():
-                cell = torch.tensor(periodic_cell(first), dtype=ref.dtype, device=ref.device)
-                pbc = torch.tensor(first.pbc, dtype=torch.bool, device=ref.device)
             try:
-                if args.hessians:
-                    try:
-                        e, f, h = energies_forces_hessians(model, species, coords, cell, pbc)
-                    except NotImplementedError as exc:
-                        raise CLIError(f"--hessians: {exc}") from exc
-                elif args.forces:
-                    e, f = energies_forces(model, species, coords, cell, pbc)
-                    h = None
-                else:  # energies only: no backward pass
-                    with torch.no_grad():
-                        x = coords.to(device=ref.device, dtype=ref.dtype)
-                        e = model((species, x), cell=cell, pbc=pbc).energies
-                    f = h = None
+                e, f, h = evaluate_batch(model, batch, args.forces, args.hessians)
             except (ValueError, RuntimeError) as exc:
                 names = "; ".join(f"{structures[i][0]}, frame {structures[i][1]}" for i in idxs[:3])
                 more = f" and {len(idxs) - 3} more" if len(idxs) > 3 else ""

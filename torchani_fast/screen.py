@@ -275,33 +275,10 @@ def _worker_loads() -> int:
 
 def _energy_records(model, spec: dict, items: list, atoms_list: list) -> list:
     """Energies (forces, Hessians) of one batch, computed as the local command does."""
-    import torch
+    from .cli import evaluate_batch
 
-    from .models import energies_forces, energies_forces_hessians
-
-    ref = next(model.parameters())
     natoms = [len(a) for a in atoms_list]
-    amax = max(natoms)
-    species = torch.full((len(atoms_list), amax), -1, dtype=torch.long)
-    coords = torch.zeros((len(atoms_list), amax, 3), dtype=torch.float64)
-    for k, a in enumerate(atoms_list):
-        species[k, :len(a)] = torch.from_numpy(a.numbers)
-        coords[k, :len(a)] = torch.from_numpy(a.positions)
-    species = species.to(ref.device)
-    first = atoms_list[0]
-    cell = pbc = None
-    if first.pbc.any():
-        cell = torch.tensor(first.cell.complete().array, dtype=ref.dtype, device=ref.device)
-        pbc = torch.tensor(first.pbc, dtype=torch.bool, device=ref.device)
-    h = f = None
-    if spec["hessians"]:
-        e, f, h = energies_forces_hessians(model, species, coords, cell, pbc)
-    elif spec["forces"]:
-        e, f = energies_forces(model, species, coords, cell, pbc)
-    else:
-        with torch.no_grad():
-            x = coords.to(device=ref.device, dtype=ref.dtype)
-            e = model((species, x), cell=cell, pbc=pbc).energies
+    e, f, h = evaluate_batch(model, atoms_list, spec["forces"], spec["hessians"])
     e = e.cpu().double()
     f = None if f is None else f.cpu().double()
     records = []

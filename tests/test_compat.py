@@ -4,6 +4,7 @@ Every reference is TorchANI itself, in this process, on seeded random weights
 of ANI-2x's architecture (torchani_fast.testing.random_ani2x): no files needed.
 """
 import copy
+import re
 
 import pytest
 import torch
@@ -115,3 +116,14 @@ def test_aev_computer_shape_errors_stay_assertion_errors(pair64):
             model.aev_computer(species, coords)
     with pytest.raises(ValueError, match="coords must have shape"):
         fast.aev_computer(species, coords)
+
+
+@pytest.mark.parametrize("version", ["2.2.4", "2.6.1", "1.0"])
+def test_torchani_older_than_2_7_is_refused_by_name(version):
+    with pytest.raises(ImportError, match=rf"TorchANI 2\.7-2\.9, found TorchANI {re.escape(version)}"):
+        torchani_fast._check_torchani_version(version)
+
+
+@pytest.mark.parametrize("version", ["2.7.1", "2.8.6", "2.9.0", "2.9.0.dev3+g1234", ""])
+def test_supported_torchani_versions_pass(version):
+    torchani_fast._check_torchani_version(version)

@@ -3,7 +3,27 @@
 >>> import torchani, torchani_fast
 >>> model = torchani_fast.patch(torchani.models.ANI2x())
 """
+import re
+
 import torch  # noqa: F401  (loads libtorch, which _C links against)
+import torchani
+
+SUPPORTED_TORCHANI = "2.7-2.9"
+
+
+def _check_torchani_version(version: str) -> None:
+    """Refuse a TorchANI older than 2.7 by name (its models have another patch
+    surface: 2.2.4's BuiltinModel, docs/usage.md), rather than fail later on a
+    missing module."""
+    parts = [int(p) for p in re.findall(r"\d+", version)[:2]]
+    if len(parts) == 2 and tuple(parts) < (2, 7):
+        raise ImportError(
+            f"torchani_fast supports TorchANI {SUPPORTED_TORCHANI}, found TorchANI {version}: "
+            "install `torchani>=2.7,<2.10` (the legacy 2.2.4 API is not supported yet)"
+        )
+
+
+_check_torchani_version(getattr(torchani, "__version__", ""))
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.torchani_fast.*)

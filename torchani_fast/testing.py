@@ -10,7 +10,7 @@ import typing as tp
 import torch
 from torch import Tensor
 
-__all__ = ["random_ani2x", "random_molecule", "water_box"]
+__all__ = ["random_ani2x", "random_model", "random_molecule", "water_box"]
 
 
 def random_ani2x(seed: int = 0, strategy: str = "pyaev", neighborlist: str = "all_pairs"):
@@ -33,6 +33,47 @@ def random_ani2x(seed: int = 0, strategy: str = "pyaev", neighborlist: str = "al
         torch.manual_seed(seed)
         model = asm.assemble(8)
     model.requires_grad_(False)
+    return model
+
+
+class _NoWeights(dict):
+    """What the factory's weight fetch returns under :func:`random_model`: no keys, any key."""
+
+    def __missing__(self, key):
+        return torch.zeros(())
+
+
+def random_model(name: str, seed: int = 0, **kwargs):
+    """A ``torchani.models`` factory's exact architecture with seeded random weights.
+
+    ``random_model("ANI2xr", model_index=0, dtype=torch.float64)`` calls
+    ``torchani.models.ANI2xr(model_index=0, dtype=torch.float64)`` with the
+    weight download replaced by nothing: the networks keep the initialisation
+    TorchANI's assembler gives them (drawn under ``seed``; the global RNG is left
+    alone) and the self energies, charge normaliser and other constants are
+    TorchANI's own. Published weights are not needed (nor read).
+    """
+    import torchani.models
+
+    factory = getattr(torchani.models, name)
+    fetch, load = torchani.models._fetch_state_dict, torch.nn.Module.load_state_dict
+
+    def no_load(module, state_dict, *args, **kw):
+        # Inside the factory every load is of fetched weights (or parts of them).
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    def no_fetch(*args, **kw):
+        return _NoWeights()
+
+    torchani.models._fetch_state_dict = no_fetch
+    torch.nn.Module.load_state_dict = no_load
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = factory(**kwargs)
+    finally:
+        torchani.models._fetch_state_dict = fetch
+        torch.nn.Module.load_state_dict = load
     return model
 
 

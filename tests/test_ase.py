@@ -233,3 +233,60 @@ def test_vibrations_match_torchani(pair1, tmp_path):
         vib.run()
         freqs.append(vib.get_frequencies())
     np.testing.assert_allclose(freqs[1], freqs[0], rtol=1e-6, atol=1e-3)
+
+
+# -- the calculator's state check: ASE's answer, without np.allclose per array --------
+def _variants():
+    import ase
+    base = ase.Atoms("CH4", positions=[[0, 0, 0], [0.63, 0.63, 0.63], [-0.63, -0.63, 0.63],
+                                       [-0.63, 0.63, -0.63], [0.63, -0.63, -0.63]],
+                     cell=[10, 10, 10], pbc=True)
+    out = [("same", base.copy())]
+    for name, delta in (("moved", 1e-3), ("moved by 1e-16", 1e-16), ("moved by 2e-15", 2e-15)):
+        a = base.copy()
+        a.positions[1, 0] += delta
+        out.append((name, a))
+    a = base.copy(); a.positions[2, 1] = np.nan; out.append(("nan", a))
+    a = base.copy(); a.positions[2, 1] = np.inf; out.append(("inf", a))
+    a = base.copy(); a.numbers[0] = 7; out.append(("numbers", a))
+    a = base.copy(); a.cell[0, 0] += 1e-3; out.append(("cell", a))
+    a = base.copy(); a.pbc = [True, False, True]; out.append(("pbc", a))
+    a = base.copy(); a.set_initial_charges([0.1, 0, 0, 0, 0]); out.append(("charges added", a))
+    a = base.copy(); a.set_momenta(np.ones((5, 3))); out.append(("momenta (not checked)", a))
+    a = base.copy() + ase.Atoms("H", positions=[[1, 1, 1]]); out.append(("one more atom", a))
+    return base, out
+
+
+def test_system_changes_is_ase_compare_atoms():
+    from ase.calculators.calculator import compare_atoms
+    from torchani_fast.ase import system_changes
+
+    base, variants = _variants()
+    assert system_changes(None, base) == compare_atoms(None, base)
+    for name, atoms in variants:
+        for old, new in ((base, atoms), (atoms, base), (atoms, atoms.copy())):
+            for tol in (1e-15, 0.0, 1e-2):
+                for excluded in (set(), {"positions"}, {"cell", "initial_charges"}):
+                    ours = system_changes(old, new, tol, excluded)
+                    ases = compare_atoms(old, new, tol, excluded)
+                    assert sorted(ours) == sorted(ases), (name, tol, excluded)
+                    assert len(ours) == len(ases)
+    inf = [a for n, a in variants if n == "inf"][0]
+    assert system_changes(inf, inf.copy()) == []  # inf == inf, as np.allclose says
+
+
+def test_calculator_recomputes_exactly_when_the_atoms_change(pair1):
+    import ase
+    model = pair1[1]
+    atoms = ase.Atoms("CH4", positions=[[0, 0, 0], [0.63, 0.63, 0.63], [-0.63, -0.63, 0.63],
+                                        [-0.63, 0.63, -0.63], [0.63, -0.63, -0.63]])
+    atoms.calc = model.ase()
+    atoms.get_potential_energy()
+    atoms.get_forces()
+    assert atoms.calc.evaluations == 1
+    atoms.positions[0, 0] += 1e-16  # within ASE's tolerance: no new evaluation
+    atoms.get_forces()
+    assert atoms.calc.evaluations == 1
+    atoms.positions[0, 0] += 1e-6
+    atoms.get_forces()
+    assert atoms.calc.evaluations == 2

@@ -41,6 +41,7 @@ Never part of the tests or CI. Usage::
     python benchmarks/benchmark_cpu.py --threads 1 --no-write
     python benchmarks/benchmark_cpu.py --quick          # fewer rounds, no 3000-atom grid
     python benchmarks/benchmark_cpu.py --profile        # + torch.profiler table (1hz5, fast)
+    python benchmarks/benchmark_cpu.py --contention 2   # beside 2 busy processes of its own
 
 Needs the offline ANI weights (TORCHANI_DATA_DIR, default ../shared/torchani-data).
 Other jobs on the machine inflate every number; the load average is recorded.
@@ -363,7 +364,26 @@ def machine_description(threads):
             f"Python {platform.python_version()}")
 
 
-def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_text, quick):
+def start_contention(n, seconds):
+    """``n`` busy processes (one pure-Python loop each) that end by themselves after
+    ``seconds`` even if this script dies; :func:`stop_contention` ends them sooner."""
+    loop = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(n)]
+    time.sleep(0.5)  # running before the first timed call
+    return procs
+
+
+def stop_contention(procs):
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_text, quick, contention=0):
     peak = max(peaks.values())
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     # The load average counts this benchmark's own threads while it runs.
@@ -371,12 +391,20 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
     busy = load_before > 0.5 * cpus or max(r.get("load", 0) for r in rows) > threads + 0.5 * cpus
     noisy = " -- **other jobs were running: timings are inflated and noisy**" if busy else ""
     impls = [i for i in IMPLS if any(i in r["ms"] for r in rows)]
-    out = [RESULTS_BEGIN, "## CPU: energy + forces, ANI-2x, float32", "",
+    begin, end = markers(contention)
+    title = "## CPU: energy + forces, ANI-2x, float32"
+    if contention:
+        title += f", beside {contention} busy processes"
+        noisy = ""  # the load is the point
+    out = [begin, title, "",
            f"- Date: {now}", f"- Machine: {machine_description(threads)}",
            f"- Load average (1 min) before/after: {load_before:.2f} / {load_after:.2f}" + noisy,
            f"- Measured SGEMM peak (2048^2 float32, {threads} threads, the better of): "
            + ", ".join(f"{name} {rate:.1f}" for name, rate in peaks.items()) + " GFLOP/s",
-           f"- Command: `python benchmarks/benchmark_cpu.py --threads {threads}{' --quick' if quick else ''}`",
+           f"- Command: `python benchmarks/benchmark_cpu.py --threads {threads}{' --quick' if quick else ''}"
+           + (f" --contention {contention}`" if contention else "`"),
+           *([f"- Contention: {contention} processes of the benchmark's own, one busy loop each, ran "
+              "throughout the timing (started before, stopped after)"] if contention else []),
            "", "Median wall time per call in ms (rounds interleaved, each in a shuffled order); speedup = torchani / fast. "
            "AEV and nets: torchani_fast's two stages timed alone (forward + backward); "
            "nets alone: the network GFLOP over the nets stage's time. "
@@ -422,15 +450,24 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
         out.append("")
     if profile_text:
         out += ["torch.profiler, torchani_fast on 1hz5 (5 calls):", "", "```", profile_text.strip(), "```", ""]
-    out.append(RESULTS_END)
+    out.append(end)
     return "\n".join(out)
 
 
-def write_results(section, path):
+def markers(contention=0):
+    """The RESULTS.md markers of this benchmark's section (one per contention level)."""
+    if not contention:
+        return RESULTS_BEGIN, RESULTS_END
+    return (RESULTS_BEGIN.replace("cpu benchmark", f"cpu benchmark, contention {contention}"),
+            RESULTS_END.replace("cpu benchmark", f"cpu benchmark, contention {contention}"))
+
+
+def write_results(section, path, contention=0):
     text = path.read_text() if path.exists() else "# torchani_fast benchmark results\n\n"
-    if RESULTS_BEGIN in text and RESULTS_END in text:
-        head, rest = text.split(RESULTS_BEGIN, 1)
-        text = head + section + rest.split(RESULTS_END, 1)[1]
+    begin, end = markers(contention)
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
@@ -447,6 +484,8 @@ def main():
     p.add_argument("--profile", action="store_true", help="add a torch.profiler table (1hz5, fast)")
     p.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--contention", type=int, default=0, metavar="N",
+                   help="time beside N busy processes started (and stopped) by the benchmark")
     p.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -457,14 +496,20 @@ def main():
     load_before = os.getloadavg()[0]
     peaks = sgemm_peak()
     print(f"SGEMM peaks (GFLOP/s): {peaks}", flush=True)
-    rows, errors = time_all(systems, args.impls, rounds, budget)
+    # Bounded: the busy loops end by themselves within 2 hours even if this process is killed.
+    busy = start_contention(args.contention, 7200) if args.contention else []
+    try:
+        rows, errors = time_all(systems, args.impls, rounds, budget)
+        load_after = os.getloadavg()[0]
+    finally:
+        stop_contention(busy)
     rss = {} if (args.no_rss or args.quick) else measure_rss(args.impls, systems, args.threads, args.quick)
     profile_text = profile_table(SYSTEMS[4]) if args.profile else ""
-    load_after = os.getloadavg()[0]
-    section = render(rows, errors, rss, peaks, args.threads, load_before, load_after, profile_text, args.quick)
+    section = render(rows, errors, rss, peaks, args.threads, load_before, load_after, profile_text, args.quick,
+                     args.contention)
     print(section)
     if not args.no_write:
-        write_results(section, args.output)
+        write_results(section, args.output, args.contention)
         print(f"wrote {args.output}")
 
 

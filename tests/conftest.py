@@ -8,11 +8,9 @@ architecture with seeded random weights, so every exactness test (which only
 compares against TorchANI) still runs. Tests that need the published values
 themselves use the ``weights`` fixture and skip, saying how to enable them.
 """
-import contextlib
 import copy
 import os
 from pathlib import Path
-from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHANI_NO_WARN_EXTENSIONS", "1")
@@ -22,6 +20,7 @@ import torch  # noqa: E402
 import torchani  # noqa: E402
 
 import torchani_fast  # noqa: E402
+from torchani_fast.testing import random_model  # noqa: E402
 
 MOLECULES = Path(__file__).resolve().parent / "data"
 WEIGHTS_HINT = ("needs TorchANI's published weights: set TORCHANI_DATA_DIR to a folder with "
@@ -65,17 +64,6 @@ def atoms_to_tensors(atoms, dtype=torch.float64, device="cpu"):
 _MODELS = {}
 
 
-@contextlib.contextmanager
-def _random_weights(seed=0):
-    # TorchANI's own factory, minus the state-dict load: its Assembler's seeded
-    # initialisation gives the same architecture with random weights.
-    with torch.random.fork_rng(), \
-            mock.patch.object(torchani.models, "_fetch_state_dict", lambda *a, **k: None), \
-            mock.patch.object(torchani.arch.ANI, "load_state_dict", lambda self, *a, **k: None):
-        torch.manual_seed(seed)
-        yield
-
-
 def reference_model(name="ANI2x", dtype=torch.float64):
     """A fresh TorchANI model (built once per process, then deep-copied).
 
@@ -86,8 +74,7 @@ def reference_model(name="ANI2x", dtype=torch.float64):
         if has_weights(name):
             _MODELS[name] = getattr(torchani.models, name)()
         else:
-            with _random_weights():
-                _MODELS[name] = getattr(torchani.models, name)()
+            _MODELS[name] = random_model(name)
     return copy.deepcopy(_MODELS[name]).to(dtype)
 
 

@@ -17,6 +17,7 @@
 #include "aev/half_edges.h"
 #include "aev/vector_cpu.h"
 #include "common/output_cache.h"
+#include "common/parallel.h"
 #include "common/simd_math.h"
 
 namespace torchani_fast {
@@ -94,7 +95,7 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (h.vectors) {
       const bool wide = simd::have_avx512();
-      at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+      torchani_fast::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
         const simd::FlushDenormals flush;
         forward_atoms_vector(begin, end, species, h, k, aev, wide);
       });
@@ -102,7 +103,7 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
     }
   }
 #endif
-  at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+  torchani_fast::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
     const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
     std::vector<Neighbor<scalar_t>> nbrs, ang;
     std::vector<scalar_t> f1(k.Z), f2(k.A), fc_a;
@@ -159,7 +160,7 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (h.vectors) {
       const bool wide = simd::have_avx512();
-      at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+      torchani_fast::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
         const simd::FlushDenormals flush;
         zero_edges(h, begin, end, grad_edge);
         backward_atoms_vector(begin, end, species, h, k, grad_aev, grad_edge, wide);
@@ -168,7 +169,7 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
     }
   }
 #endif
-  at::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+  torchani_fast::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
     const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
     zero_edges(h, begin, end, grad_edge);
     std::vector<Neighbor<scalar_t>> nbrs, ang;

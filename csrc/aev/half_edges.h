@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "aev/second_derivs.h"
+#include "common/parallel.h"
 #include "ops.h"
 
 namespace torchani_fast {
@@ -103,7 +104,7 @@ HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int6
   h.edge1.resize(num_pairs);
   int64_t* const edge0 = h.edge0.data();
   int64_t* const edge1 = h.edge1.data();
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  torchani_fast::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* const cnt = count.data() + c * NS;
       for (int64_t p = bounds[c], end = bounds[c + 1]; p < end; ++p) {
@@ -155,7 +156,7 @@ HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int6
   float* const vec = h.vec.data();
   int64_t* const pair = h.pair.data();
   int64_t* const other = h.other.data();
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  torchani_fast::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* const cursor = count.data() + c * NS;
       for (int64_t p = bounds[c], end = bounds[c + 1]; p < end; ++p) {
@@ -280,7 +281,7 @@ void gather_neighbors(const HalfEdges& h, int64_t center, const int64_t* species
 template <typename scalar_t>
 void edges_to_pairs(const HalfEdges& h, const scalar_t* edge_vals, int64_t num_pairs,
                     scalar_t* out) {
-  at::parallel_for(0, num_pairs, 1024, [&](int64_t begin, int64_t end) {
+  torchani_fast::parallel_for(0, num_pairs, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       const int64_t e0 = h.edge0[q], e1 = h.edge1[q];
       for (int c = 0; c < 3; ++c)

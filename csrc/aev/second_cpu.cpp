@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "aev/half_edges.h"
+#include "common/parallel.h"
 #include "common/simd_math.h"
 
 namespace torchani_fast {
@@ -34,7 +35,7 @@ void edge_directions(const HalfEdges& h, const scalar_t* t, int64_t num_pairs,
   const int64_t E = h.edges();
   u.assign(3 * E, scalar_t(0));
   moving.assign(E, 0);
-  at::parallel_for(0, num_pairs, 1024, [&](int64_t begin, int64_t end) {
+  torchani_fast::parallel_for(0, num_pairs, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q)
       if (h.edge0[q] >= 0)
         aev_math::edge_direction(h.edge0[q], h.edge1[q], t + 3 * q, u.data(), moving.data());
@@ -73,7 +74,7 @@ at::Tensor aev_jvp_cpu(const at::Tensor& tangent, const at::Tensor& species,
     const int64_t* spp = sp.data_ptr<int64_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     std::vector<scalar_t> fcw(u.size());
-    at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    torchani_fast::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
       const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
       std::vector<scalar_t> w(aev_math::angular_scratch_len(kv));
       for (int64_t i = begin; i < end; ++i)
@@ -109,7 +110,7 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
     const HalfEdgeView<scalar_t> hv(h, sp.data_ptr<int64_t>(), diff.data_ptr<scalar_t>());
     const int64_t* spp = sp.data_ptr<int64_t>();
     const scalar_t* gp = g.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    torchani_fast::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
       const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
       std::vector<scalar_t> w(aev_math::angular_scratch_len(kv));
       for (int64_t i = begin; i < end; ++i)
@@ -158,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
     const int64_t E = h.edges();
     // Slots of each centre's neighbours (see local_slots_center), then K = the most.
     std::vector<int64_t> slot(E), first_pair(E), count(N, 1);
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    torchani_fast::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
         if (spp[i] >= 0) count[i] = aev_math::local_slots_center(hv, i, first_pair.data(),
                                                                  slot.data());
@@ -178,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cpu(
     scalar_t* cp = curv.data_ptr<scalar_t>();
     const scalar_t* gp = g.data_ptr<scalar_t>();
     std::vector<scalar_t> fcw(3 * E);
-    at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    torchani_fast::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
       const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
       std::vector<scalar_t> w(aev_math::angular_scratch_len(kv));
       for (int64_t i = begin; i < end; ++i)

@@ -32,14 +32,20 @@
 #include <type_traits>
 #include <vector>
 
-#include "ops.h"
 #include "common/output_cache.h"
+#include "common/parallel.h"
 #include "common/simd_math.h"
 #include "ensemble/gemm.h"
 #include "ensemble/zero_chunks.h"
+#include "ops.h"
 
 namespace torchani_fast {
 namespace {
+
+void at_parallel_for(int64_t begin, int64_t end, int64_t grain,
+                     const std::function<void(int64_t, int64_t)>& fn) {
+  at::parallel_for(begin, end, grain, fn);
+}
 
 using namespace ensemble_detail;
 
@@ -470,8 +476,14 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  // BLAS (float64, and float32 without panels) runs inside the tasks, on one
+  // thread each (OneThreadBlas); without MKL's per-thread setting, inside
+  // OpenMP's own regions, where an OpenMP-threaded BLAS keeps to one thread.
+  const bool own_pool = use_panels || small_gemm::OneThreadBlas::available();
+  const auto run_tasks = own_pool ? torchani_fast::parallel_for : at_parallel_for;
+  run_tasks(0, workers, 1, [&](int64_t, int64_t) {
     const simd::FlushDenormals flush(std::is_same_v<T, float>);
+    const small_gemm::OneThreadBlas one_thread_blas;
     thread_local std::vector<T> scratch;
     thread_local std::vector<uint64_t> chunk_bits;
     for (int64_t t = next++; t < num_tasks; t = next++) {
@@ -483,7 +495,7 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     }
   });
   if (input_grad && slices > 1) {  // add the slices' partial J into the first, in slice order
-    at::parallel_for(0, jac_size, 4096, [&](int64_t begin, int64_t end) {
+    torchani_fast::parallel_for(0, jac_size, 4096, [&](int64_t begin, int64_t end) {
       for (int64_t p = 1; p < slices; ++p) {
         const T* src = jac_ptr + p * jac_size;
         for (int64_t i = begin; i < end; ++i) jac_ptr[i] += src[i];
@@ -619,7 +631,7 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
     std::vector<int64_t> jac_begin(sizes.size());
     for (int64_t g = 0, off = 0; g < static_cast<int64_t>(sizes.size()); off += sizes[g] * width[g], ++g)
       jac_begin[g] = off;
-    at::parallel_for(0, num_atoms, 64, [&](int64_t begin, int64_t end) {
+    torchani_fast::parallel_for(0, num_atoms, 64, [&](int64_t begin, int64_t end) {
       for (int64_t a = begin; a < end; ++a) {
         scalar_t* dst = o + a * features;
         std::fill(dst, dst + features, scalar_t(0));

@@ -40,9 +40,32 @@ void sgemm_(const char*, const char*, const int*, const int*, const int*, const 
 void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*,
             const double*, const int*, const double*, const int*, const double*, double*,
             const int*) __attribute__((weak));
+// MKL's C entry (torch's x86 wheels); its lower-case alias is the Fortran one (int*).
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 }
 
 namespace torchani_fast::small_gemm {
+
+// While alive, BLAS calls of this thread run on this thread only, with the
+// same kernels whatever torch.set_num_threads says: MKL's dgemm gives other
+// bits inside an OpenMP region than outside one with one thread (the float64
+// networks differed in the last bit between 1 and 2 threads), and a threaded
+// BLAS inside torchani_fast::parallel_for would oversubscribe the cores.
+// available(): false when the BLAS is not MKL; callers then keep BLAS inside
+// at::parallel_for.
+class OneThreadBlas {
+ public:
+  static bool available() { return MKL_Set_Num_Threads_Local != nullptr; }
+  OneThreadBlas() : previous_(available() ? MKL_Set_Num_Threads_Local(1) : 0) {}
+  ~OneThreadBlas() {
+    if (available()) MKL_Set_Num_Threads_Local(previous_);
+  }
+  OneThreadBlas(const OneThreadBlas&) = delete;
+  OneThreadBlas& operator=(const OneThreadBlas&) = delete;
+
+ private:
+  int previous_;
+};
 
 // C (m x n) = op(A) op(B) + beta C, row-major (ta/tb: A/B stored transposed).
 template <typename T>

@@ -10,8 +10,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "ops.h"
+#include "common/parallel.h"
 #include "ensemble/zero_chunks.h"
+#include "ops.h"
 
 namespace torchani_fast {
 
@@ -59,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_atoms", [&] {
       const scalar_t* xp = x.data_ptr<scalar_t>();
       const int64_t F = x.size(1);
-      at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+      torchani_fast::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
         for (int64_t a = begin; a < end; ++a) {
           const scalar_t* row = xp + a * F;
           int64_t bits = 0;
@@ -141,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
     std::vector<uint64_t> pattern(static_cast<size_t>(n), 0);
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_atoms", [&] {
       const scalar_t* xp = x.data_ptr<scalar_t>();
-      at::parallel_for(0, total, 256, [&](int64_t begin, int64_t end) {
+      torchani_fast::parallel_for(0, total, 256, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i)
           pattern[ap[i]] = nonzero_chunks(xp + ap[i] * F, read.data(), static_cast<int64_t>(read.size()));
       });

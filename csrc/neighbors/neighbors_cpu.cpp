@@ -20,10 +20,11 @@
 #include <cmath>
 #include <vector>
 
+#include "common/parallel.h"
+#include "common/simd_math.h"
 #include "neighbors/cell_bins.h"
 #include "neighbors/read_cell.h"
 #include "ops.h"
-#include "common/simd_math.h"
 
 namespace torchani_fast {
 namespace {
@@ -164,7 +165,7 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
   std::vector<int64_t> bin_of(N, -1);
   std::vector<MoleculeBins> mols(M);
 
-  at::parallel_for(0, M, 1, [&](int64_t mb, int64_t me) {
+  torchani_fast::parallel_for(0, M, 1, [&](int64_t mb, int64_t me) {
     for (int64_t m = mb; m < me; ++m) {
       MoleculeBins& mol = mols[m];
       double lo[3] = {INFINITY, INFINITY, INFINITY}, hi[3] = {-INFINITY, -INFINITY, -INFINITY};
@@ -249,7 +250,7 @@ void neighbors_impl(const int64_t* species, const scalar_t* coords, int64_t M, i
 #ifdef TF_SIMD_AVX2
   if (simd::have_avx2()) scan_fn = simd::have_avx512() ? scan_bin_avx512 : scan_bin_avx2;
 #endif
-  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+  torchani_fast::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     // A bin lists its atoms in increasing order, and atom i owns no pair with
     // an atom j < i (owns_pair): its scan of a bin starts at the bin's first
     // atom j >= i. As i only grows here, that start only moves forward: kept
@@ -314,7 +315,7 @@ void write_pairs(std::vector<std::vector<int64_t>>& found, const std::vector<int
   int64_t* second = first + P;
   scalar_t* img = images.data_ptr<scalar_t>();
   const int64_t N = static_cast<int64_t>(count.size());
-  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+  torchani_fast::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
       auto& f = found[c];
       int64_t p = offset[c];
@@ -473,7 +474,7 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& coords,
     }
     scalar_t* d = diff.data_ptr<scalar_t>();
     scalar_t* r = dist.data_ptr<scalar_t>();
-    at::parallel_for(0, P, 16384, [&](int64_t begin, int64_t end) {
+    torchani_fast::parallel_for(0, P, 16384, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const scalar_t* xi = x + 3 * first[p];
         const scalar_t* xj = x + 3 * second[p];

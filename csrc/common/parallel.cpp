@@ -1,0 +1,160 @@
+// The work-sharing loop of common/parallel.h: one job slot, a chunk counter,
+// workers that join when they are awake.
+#include "common/parallel.h"
+
+#include <ATen/Parallel.h>
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+namespace torchani_fast {
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// How long an idle worker watches for the next job before it sleeps.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+thread_local bool in_region = false;
+
+class Pool {
+ public:
+  static Pool*& instance() {
+    static Pool* pool = [] {
+      // A forked child (multiprocessing, Dask's nannies) has none of the
+      // parent's workers: it starts a pool of its own (the old one is left,
+      // its mutexes may be held by threads that no longer exist).
+      pthread_atfork(nullptr, nullptr, [] { instance() = new Pool(); });
+      return new Pool();
+    }();
+    return pool;
+  }
+
+  void run(int64_t begin, int64_t end, int64_t chunk, int threads,
+           const std::function<void(int64_t, int64_t)>& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock()) {  // another thread's region is running: this one runs alone
+      fn(begin, end);
+      return;
+    }
+    start_workers(threads - 1);
+    fn_ = &fn;
+    end_ = end;
+    chunk_ = chunk;
+    error_ = nullptr;
+    next_.store(begin, std::memory_order_relaxed);
+    seats_.store(threads - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      open_.store(true, std::memory_order_seq_cst);
+      generation_.fetch_add(1, std::memory_order_seq_cst);
+    }
+    wake_.notify_all();
+    work();
+    open_.store(false, std::memory_order_seq_cst);
+    // Only workers inside this job are waited for; one that has not started
+    // sees the job closed and leaves it.
+    while (active_.load(std::memory_order_seq_cst) != 0) cpu_relax();
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  Pool() = default;
+
+  void start_workers(int wanted) {
+    while (started_ < wanted) {
+      std::thread([this] { loop(); }).detach();
+      ++started_;
+    }
+  }
+
+  // Claim chunks until none are left; the first exception stops every thread.
+  void work() {
+    in_region = true;
+    for (;;) {
+      const int64_t b = next_.fetch_add(chunk_, std::memory_order_relaxed);
+      if (b >= end_) break;
+      try {
+        (*fn_)(b, std::min(b + chunk_, end_));
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex_);
+        if (!error_) error_ = std::current_exception();
+        next_.store(end_, std::memory_order_relaxed);
+      }
+    }
+    in_region = false;
+  }
+
+  void loop() {
+    uint64_t seen = generation_.load(std::memory_order_acquire);
+    for (;;) {
+      const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+      int tries = 0;
+      while (generation_.load(std::memory_order_acquire) == seen) {
+        if (++tries % 64 == 0 && std::chrono::steady_clock::now() > spin_until) {
+          std::unique_lock<std::mutex> lock(mutex_);
+          wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+          break;
+        }
+        cpu_relax();
+      }
+      const uint64_t job = generation_.load(std::memory_order_acquire);
+      seen = job;
+      active_.fetch_add(1, std::memory_order_seq_cst);
+      // Still the job that woke us, still open, and a seat left (at most
+      // threads - 1 workers join, as torch.set_num_threads asked).
+      if (open_.load(std::memory_order_seq_cst) &&
+          generation_.load(std::memory_order_seq_cst) == job &&
+          seats_.fetch_sub(1, std::memory_order_seq_cst) > 0) {
+        work();
+      }
+      active_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  std::mutex busy_;   // one job at a time
+  std::mutex mutex_;  // with wake_: sleeping workers
+  std::condition_variable wake_;
+  std::mutex error_mutex_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> open_{false};
+  std::atomic<int> active_{0};
+  std::atomic<int> seats_{0};
+  std::atomic<int64_t> next_{0};
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  int64_t end_ = 0, chunk_ = 1;
+  std::exception_ptr error_;
+  int started_ = 0;  // worker threads (detached; they live as long as the process)
+};
+
+}  // namespace
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain,
+                  const std::function<void(int64_t, int64_t)>& fn) {
+  if (begin >= end) return;
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t n = end - begin;
+  const int threads = at::get_num_threads();
+  if (n <= grain || threads <= 1 || in_region || at::in_parallel_region()) {
+    fn(begin, end);
+    return;
+  }
+  // A few chunks per thread, so that a late worker's share is small.
+  const int64_t chunk = std::max<int64_t>(grain, (n + 4 * threads - 1) / (4 * threads));
+  Pool::instance()->run(begin, end, chunk, threads, fn);
+}
+
+}  // namespace torchani_fast

@@ -1,0 +1,38 @@
+// torchani_fast's CPU parallel loop: work sharing that a busy machine cannot stall.
+//
+// at::parallel_for (OpenMP here) ends every parallel region in a barrier that
+// waits for all of its threads. On a machine that runs other jobs, one of them
+// is often descheduled, and the region then lasts until the scheduler runs it
+// again, up to a time slice (milliseconds) per region: the 46-atom ligand went
+// from 2.4 ms to 30-50 ms per energy + forces call beside two busy processes.
+//
+// parallel_for below splits [begin, end) into chunks that the calling thread
+// and torchani_fast's worker threads claim one at a time from a shared counter.
+// The caller waits only for chunks that a worker has already claimed, never
+// for a worker that has not started: when a worker is late, the caller (and
+// any other worker) runs its chunks, and a region of a few microseconds simply
+// runs on the caller. Workers that find no work spin for a short while (the
+// next region of the same call is usually tens of microseconds away), then
+// sleep on a condition variable; they never hold a core for longer.
+//
+// Contract, as for at::parallel_for: fn(b, e) is called on disjoint ranges
+// that cover [begin, end), each of at least `grain` indices (but the last), on
+// any thread; its results must not depend on the chunking or the thread (so
+// results are bitwise the same for any thread count). The first exception
+// thrown by fn is rethrown on the caller once every claimed chunk finished.
+// Calls from inside a region, from a second thread while one region runs, or
+// with one thread (torch.set_num_threads(1)) run fn(begin, end) serially. The
+// number of threads is at::get_num_threads(). fn must not call BLAS: a BLAS
+// library threaded with OpenMP does not know it runs inside a region here
+// (those loops keep at::parallel_for).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace torchani_fast {
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain,
+                  const std::function<void(int64_t, int64_t)>& fn);
+
+}  // namespace torchani_fast

@@ -1,0 +1,78 @@
+"""Results are bitwise the same for any number of threads, also on a busy machine.
+
+The CPU ops share their loops between the calling thread and torchani_fast's
+workers (csrc/common/parallel.h): chunks go to whichever thread is free, so
+which thread computes what changes from call to call, and the results must not.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torchani_fast
+from torchani_fast.grad import energies_forces_and_hessians
+from torchani_fast.testing import random_ani2x, random_molecule, water_box
+
+from conftest import energy_forces
+
+
+@pytest.fixture(scope="module")
+def model():
+    return torchani_fast.patch(random_ani2x())
+
+
+def _systems(dtype):
+    z, x = random_molecule(46, seed=1)
+    batch_z = torch.full((3, 46), -1)
+    batch_x = torch.zeros(3, 46, 3, dtype=torch.float64)
+    for k, n in enumerate((46, 30, 9)):
+        zk, xk = random_molecule(n, seed=k)
+        batch_z[k, :n], batch_x[k, :n] = zk[0], xk[0]
+    wz, wx, cell, pbc = water_box(64)
+    return [(z, x.to(dtype), None, None), (batch_z, batch_x.to(dtype), None, None),
+            (wz, wx.to(dtype), cell.to(dtype), pbc)]
+
+
+def _everything(model, dtype, hessians):
+    out = []
+    for z, x, cell, pbc in _systems(dtype):
+        out += energy_forces(model.to(dtype), z, x, cell, pbc)
+        if hessians and cell is None:
+            # (the Hessian's network part runs torch.bmm, whose MKL kernels
+            # differ with the thread count: only its AEV part is ours)
+            out += energies_forces_and_hessians(model, z, x)[:2]
+    return out
+
+
+def _with_threads(n, fn):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bitwise_equal_for_1_2_and_4_threads(model, dtype):
+    runs = [_with_threads(n, lambda: _everything(model, dtype, hessians=dtype == torch.float64))
+            for n in (1, 2, 4, 2)]
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+
+
+def test_bitwise_equal_beside_busy_processes(model):
+    # Two busy loops take the cores: the workers are often descheduled, and the
+    # caller runs their chunks (csrc/common/parallel.h). Same bits.
+    quiet = _with_threads(1, lambda: _everything(model, torch.float32, hessians=False))
+    loop = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass\n"
+    busy = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(2)]
+    try:
+        for _ in range(3):
+            loaded = _with_threads(2, lambda: _everything(model, torch.float32, hessians=False))
+            assert all(torch.equal(a, b) for a, b in zip(quiet, loaded))
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()

@@ -450,3 +450,29 @@ def test_torchscript_save_load(tmp_path):
     y = coords.clone().requires_grad_(True)
     (g_ref,) = torch.autograd.grad(ref(elem, y).sum(), y)
     torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-10)
+
+
+# --- through a patched model ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("model", ["ANI2xr", "SnnANI2xr"])
+def test_patched_model_energies_and_forces(model, dtype):
+    # patch() swaps the AEV computer of the smooth-cutoff models too (the rest
+    # of the model, here TorchANI's repulsion and networks, is not this test's
+    # subject); energies and forces equal TorchANI's.
+    from conftest import energy_forces
+
+    ref = random_model(model, dtype=dtype)
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    assert isinstance(fast.potentials["nnp"].aev_computer, AEVComputer)
+    for name in ("3hkw_ligand.xyz", "benzene.xyz"):
+        species, coords, cell, pbc = atoms_to_tensors(read_molecule(name), dtype)
+        e_ref, f_ref = energy_forces(ref, species, coords, cell, pbc)
+        e, f = energy_forces(fast, species, coords, cell, pbc)
+        if dtype == F64:
+            torch.testing.assert_close(e, e_ref, rtol=1e-12, atol=0)
+            torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-10)
+        else:
+            torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=0)
+            torch.testing.assert_close(f, f_ref, rtol=0, atol=5e-5)

@@ -16,11 +16,13 @@ using torch::autograd::tensor_list;
 
 // The AEV arguments shared by every op, after the leading tensor(s): the nine
 // tensors (species .. angular_sections) are saved after the leading ones, the
-// three scalars in saved_data.
+// six scalars in saved_data.
 struct AevArgs {
   tensor_list t;  // species, pairs, diff, r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections
   double rc_r, rc_a;
   int64_t num_species;
+  int64_t cut_kind, cut_order;  // the cutoff function (AEVParams)
+  double cut_eps;
 };
 
 AevArgs make_args(const at::Tensor& species, const at::Tensor& pairs, const at::Tensor& diff,
@@ -29,7 +31,10 @@ AevArgs make_args(const at::Tensor& species, const at::Tensor& pairs, const at::
                   p.angular_zeta, p.angular_shifts, p.angular_sections},
                  p.radial_cutoff,
                  p.angular_cutoff,
-                 p.num_species};
+                 p.num_species,
+                 p.cutoff_kind,
+                 p.cutoff_order,
+                 p.cutoff_eps};
 }
 
 void save_aev_args(AutogradContext* ctx, tensor_list leading, const AevArgs& a) {
@@ -38,6 +43,9 @@ void save_aev_args(AutogradContext* ctx, tensor_list leading, const AevArgs& a) 
   ctx->saved_data["rc_r"] = a.rc_r;
   ctx->saved_data["rc_a"] = a.rc_a;
   ctx->saved_data["num_species"] = a.num_species;
+  ctx->saved_data["cut_kind"] = a.cut_kind;
+  ctx->saved_data["cut_order"] = a.cut_order;
+  ctx->saved_data["cut_eps"] = a.cut_eps;
 }
 
 // Returns the leading saved tensors and fills `a` with the rest.
@@ -47,6 +55,9 @@ tensor_list load_aev_args(AutogradContext* ctx, size_t num_leading, AevArgs& a) 
   a.rc_r = ctx->saved_data["rc_r"].toDouble();
   a.rc_a = ctx->saved_data["rc_a"].toDouble();
   a.num_species = ctx->saved_data["num_species"].toInt();
+  a.cut_kind = ctx->saved_data["cut_kind"].toInt();
+  a.cut_order = ctx->saved_data["cut_order"].toInt();
+  a.cut_eps = ctx->saved_data["cut_eps"].toDouble();
   return tensor_list(s.begin(), s.begin() + num_leading);
 }
 
@@ -61,7 +72,7 @@ template <typename Schema, typename... Lead>
 auto call_op(const c10::TypedOperatorHandle<Schema>& op, const AevArgs& a, const Lead&... lead) {
   const auto& t = a.t;
   return op.call(lead..., t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], a.rc_r, a.rc_a,
-                 a.num_species);
+                 a.num_species, a.cut_kind, a.cut_order, a.cut_eps);
 }
 
 at::Tensor call_aev(const AevArgs& a) {
@@ -116,12 +127,16 @@ class AevFunction<D, AevOp<at::Tensor, Lead...>>
                             const at::Tensor& r_eta, const at::Tensor& r_shifts,
                             const at::Tensor& a_eta, const at::Tensor& a_zeta,
                             const at::Tensor& a_shifts, const at::Tensor& a_sections,
-                            double rc_r, double rc_a, int64_t num_species) {
+                            double rc_r, double rc_a, int64_t num_species, int64_t cut_kind,
+                            int64_t cut_order, double cut_eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
     const AevArgs a{{species, pairs, diff, r_eta, r_shifts, a_eta, a_zeta, a_shifts, a_sections},
                     rc_r,
                     rc_a,
-                    num_species};
+                    num_species,
+                    cut_kind,
+                    cut_order,
+                    cut_eps};
     tensor_list saved{lead...};
     saved.resize(D::kSavedLead);
     save_aev_args(ctx, saved, a);
@@ -131,7 +146,7 @@ class AevFunction<D, AevOp<at::Tensor, Lead...>>
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     AevArgs a;
     const auto saved = load_aev_args(ctx, D::kSavedLead, a);
-    tensor_list out(kNumLead + 12);
+    tensor_list out(kNumLead + 15);
     D::backward(ctx, saved, grads[0], a, out);
     return out;
   }
@@ -142,7 +157,7 @@ class AevFunction<D, AevOp<at::Tensor, Lead...>>
     return AevFunction::apply(lead..., species, pairs, diff, p.radial_eta, p.radial_shifts,
                               p.angular_eta, p.angular_zeta, p.angular_shifts,
                               p.angular_sections, p.radial_cutoff, p.angular_cutoff,
-                              p.num_species);
+                              p.num_species, p.cutoff_kind, p.cutoff_order, p.cutoff_eps);
   }
 };
 

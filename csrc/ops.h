@@ -29,7 +29,9 @@
 //   radial  term  0.25 * exp(-eta (r - Rs)^2) * fc(r)                   (the 0.25)
 //   angular term  2 * ((1 + cos(acos(0.95 cos t) - ts)) / 2)^zeta
 //                   * exp(-eta ((r1 + r2)/2 - Rs)^2) * fc(r1) fc(r2)    (the 0.95)
-//   fc(r) = 0.5 cos(pi r / Rc) + 0.5, pairs with r > Rc contribute nothing.
+//   fc(r) = 0.5 cos(pi r / Rc) + 0.5 (cutoff_kind 0) or exp(1 - 1 / max(eps,
+//   1 - (r/Rc)^order)) (cutoff_kind 1, TorchANI's CutoffSmooth); pairs with
+//   r > Rc contribute nothing.
 //   Layout: radial block s*R + k for neighbour species s; angular block
 //   S*R + p*(A*Z) + a*Z + z for the upper-triangular species pair p.
 #pragma once
@@ -97,7 +99,16 @@ struct AEVParams {
       angular_sections;
   double radial_cutoff, angular_cutoff;
   int64_t num_species;
+  // The cutoff function of both terms (aev_math::CutoffFn): kind 0 cosine,
+  // 1 smooth exp(1 - 1 / max(eps, 1 - (r/rc)^order)); order and eps are read
+  // for the smooth kind only. Checked by check_cutoff_fn.
+  int64_t cutoff_kind = 0, cutoff_order = 2;
+  double cutoff_eps = 1e-10;
 };
+
+// Raises naming the argument unless (kind, order, eps) is a supported cutoff.
+void check_cutoff_fn(const char* op, int64_t cutoff_kind, int64_t cutoff_order,
+                     double cutoff_eps);
 
 // The AEV ops' schemas spell the AEVParams fields out after species, pairs and
 // diff_vectors, themselves after the op's own leading tensors (Lead: none,
@@ -113,15 +124,18 @@ struct AevOp {
                 const at::Tensor& radial_shifts, const at::Tensor& angular_eta,
                 const at::Tensor& angular_zeta, const at::Tensor& angular_shifts,
                 const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
-                int64_t num_species) {
+                int64_t num_species, int64_t cutoff_kind, int64_t cutoff_order,
+                double cutoff_eps) {
     return kernel(lead..., species, pairs, diff_vectors,
                   AEVParams{radial_eta, radial_shifts, angular_eta, angular_zeta, angular_shifts,
-                            angular_sections, radial_cutoff, angular_cutoff, num_species});
+                            angular_sections, radial_cutoff, angular_cutoff, num_species,
+                            cutoff_kind, cutoff_order, cutoff_eps});
   }
   // The flat signature, for typed dispatcher calls.
   using Schema = R(Lead..., const at::Tensor&, const at::Tensor&, const at::Tensor&,
                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                   const at::Tensor&, const at::Tensor&, double, double, int64_t);
+                   const at::Tensor&, const at::Tensor&, double, double, int64_t, int64_t,
+                   int64_t, double);
 };
 using TensorRef = const at::Tensor&;
 using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;

@@ -5,7 +5,8 @@
 #define TORCHANI_FAST_AEV_ARGS                                                              \
   "Tensor species, Tensor pairs, Tensor diff_vectors, Tensor radial_eta, "                  \
   "Tensor radial_shifts, Tensor angular_eta, Tensor angular_zeta, Tensor angular_shifts, "  \
-  "Tensor angular_sections, float radial_cutoff, float angular_cutoff, int num_species"
+  "Tensor angular_sections, float radial_cutoff, float angular_cutoff, int num_species, "     \
+  "int cutoff_kind=0, int cutoff_order=2, float cutoff_eps=1e-10"
 
 namespace torchani_fast::schema {
 

@@ -165,6 +165,35 @@ def test_aev_cutoff_tail(emu, dtype, delta):
     assert out[0, 0, 7 * r_len + 32 * p: 7 * r_len + 32 * (p + 1)].max() > 0  # the (H, N) angular block
 
 
+SMOOTH = [ops.CUTOFF_SMOOTH, 2, 1e-10]  # TorchANI's CutoffSmooth() (ANI-2xr, ANI-r2s, ...)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["tiny_cell", "small_batch"])
+def test_aev_smooth_cutoff(emu, name, dtype):
+    """The cutoff kind is an argument of the device kernels too (aev_math::CutoffFn):
+    forward, backward, JVP, double backward and local derivatives against the CPU
+    ops with the smooth cutoff (order 2, and order 3 with a large eps)."""
+    species, pairs, diff, args = _aev_case(*EMU_SYSTEMS[name], dtype, pad_slots=3)
+    for extra in (SMOOTH, [ops.CUTOFF_SMOOTH, 3, 1e-3]):
+        smooth = args + extra
+        assert not torch.equal(ops.aev(species, pairs, diff, *smooth), ops.aev(species, pairs, diff, *args))
+        _check_aev(emu, species, pairs, diff, smooth, dtype)
+    species, pairs, diff, args = _tiny_periodic(dtype)
+    smooth = args + SMOOTH
+    tangent, grad_aev, n_feat = _second_inputs(species, pairs, diff, smooth)
+    _close(emu.aev_jvp(tangent, species, pairs, diff, *smooth),
+           ops.aev_jvp(tangent, species, pairs, diff, *smooth), dtype)
+    _close(emu.aev_double_backward(grad_aev, tangent, species, pairs, diff, *smooth),
+           ops.aev_double_backward(grad_aev, tangent, species, pairs, diff, *smooth), dtype)
+    columns = torch.arange(1, n_feat, 2)
+    ref = ops.aev_local_derivatives(grad_aev, columns, species, pairs, diff, *smooth)
+    out = emu.aev_local_derivatives(grad_aev, columns, species, pairs, diff, *smooth)
+    assert torch.equal(out[0], ref[0])
+    _close(out[1], ref[1], dtype)
+    _close(out[2], ref[2], dtype)
+
+
 @pytest.mark.parametrize("n_atoms", [300, 1100, 4200])
 def test_aev_launch_shapes(emu, n_atoms):
     """4, 2 and 1 warps per atom (dilute gas, so that the emulation stays quick)."""

@@ -200,8 +200,8 @@ def test_unsupported_model_is_named():
         torchani_fast.patch(torch.nn.Linear(2, 2))
     model = reference_model("ANI2x")
     aevc = model.potentials["nnp"].aev_computer
-    from torchani.cutoffs import CutoffSmooth
+    from torchani.cutoffs import CutoffBiweight
 
-    aevc.radial.cutoff_fn = CutoffSmooth()
-    with pytest.raises(TypeError, match="CutoffSmooth"):
+    aevc.radial.cutoff_fn = aevc.angular.cutoff_fn = CutoffBiweight()
+    with pytest.raises(TypeError, match="CutoffBiweight"):
         torchani_fast.patch(model)

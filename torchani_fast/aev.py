@@ -116,7 +116,16 @@ class AEVComputer(torch.nn.Module):
     """ANI AEVs with torchani_fast's compiled kernels.
 
     Build it from a TorchANI ``AEVComputer`` (``AEVComputer.from_torchani``); the
-    ``radial`` and ``angular`` term modules are shared, not copied.
+    ``radial`` and ``angular`` term modules are shared, not copied. Their
+    ``cutoff_fn`` (``CutoffCosine`` or ``CutoffSmooth``, the same for both
+    terms) becomes the ops' ``cutoff_kind``, ``cutoff_order`` and ``cutoff_eps``.
+
+    ``zero_block_exact`` says whether an AEV block (the columns of one
+    neighbour element or element pair) is exactly 0 only when the atom has no
+    such neighbour, which the fused networks' skipping of zero blocks relies
+    on. True for the cosine cutoff (the kernels keep its accurate tail, see
+    docs/design.md); False for the smooth cutoff, which underflows to 0 inside
+    the cutoff (float32: beyond 0.994 rc for order 2; float64: beyond 0.9993 rc).
     """
 
     num_species: Final[int]
@@ -124,6 +133,10 @@ class AEVComputer(torch.nn.Module):
     radial_len: Final[int]
     angular_len: Final[int]
     out_dim: Final[int]
+    cutoff_kind: Final[int]
+    cutoff_order: Final[int]
+    cutoff_eps: Final[float]
+    zero_block_exact: Final[bool]
     _strategy: str
 
     def __init__(self, radial: torch.nn.Module, angular: torch.nn.Module, num_species: int,
@@ -138,6 +151,8 @@ class AEVComputer(torch.nn.Module):
         self.radial_len = int(radial.num_feats) * num_species
         self.angular_len = int(angular.num_feats) * self.num_species_pairs
         self.out_dim = self.radial_len + self.angular_len
+        self.cutoff_kind, self.cutoff_order, self.cutoff_eps = cutoff_constants(radial, angular)
+        self.zero_block_exact = self.cutoff_kind == ops.CUTOFF_COSINE
         self._strategy = "torchani_fast"
 
     @classmethod
@@ -202,14 +217,52 @@ class AEVComputer(torch.nn.Module):
             self.radial.eta, self.radial.shifts,
             self.angular.eta, self.angular.zeta, self.angular.shifts, self.angular.sections,
             float(self.radial.cutoff), float(self.angular.cutoff), self.num_species,
+            self.cutoff_kind, self.cutoff_order, self.cutoff_eps,
         )
+
+
+def _cutoff_constants(cutoff_fn: torch.nn.Module, name: str) -> tp.Tuple[int, int, float]:
+    from torchani.cutoffs import CutoffCosine, CutoffSmooth
+
+    if type(cutoff_fn) is CutoffCosine:
+        return ops.CUTOFF_COSINE, 2, 1e-10
+    if type(cutoff_fn) is CutoffSmooth:
+        order, eps = cutoff_fn.order, cutoff_fn.eps
+        if isinstance(order, bool) or not isinstance(order, int) or not 1 <= order <= 64:
+            raise TypeError(
+                f"torchani_fast supports CutoffSmooth with an integer order in [1, 64], but the "
+                f"{name} terms use order={order!r}"
+            )
+        if not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise TypeError(
+                f"torchani_fast supports CutoffSmooth with 0 < eps < 1, but the {name} terms "
+                f"use eps={eps!r}"
+            )
+        return ops.CUTOFF_SMOOTH, int(order), float(eps)
+    raise TypeError(
+        f"torchani_fast supports the cosine cutoff (CutoffCosine) and the smooth cutoff "
+        f"(CutoffSmooth), but the {name} terms use {type(cutoff_fn).__name__}"
+    )
+
+
+def cutoff_constants(radial: torch.nn.Module, angular: torch.nn.Module) -> tp.Tuple[int, int, float]:
+    """The AEV ops' ``(cutoff_kind, cutoff_order, cutoff_eps)`` for these terms'
+    ``cutoff_fn``; raises ``TypeError`` naming the term if it is not supported or
+    if the two terms use different cutoff functions."""
+    r = _cutoff_constants(radial.cutoff_fn, "radial")
+    a = _cutoff_constants(angular.cutoff_fn, "angular")
+    if r != a:
+        raise TypeError(
+            f"torchani_fast needs the same cutoff function for both terms, but the radial terms "
+            f"use {radial.cutoff_fn!r} and the angular terms {angular.cutoff_fn!r}"
+        )
+    return r
 
 
 def check_supported(aev_computer: torch.nn.Module) -> None:
     """Raise ``TypeError`` naming what torchani_fast cannot reproduce exactly."""
     from torchani.aev import AEVComputer as TorchaniAEV
     from torchani.aev._terms import ANIAngular, ANIRadial
-    from torchani.cutoffs import CutoffCosine
 
     if not isinstance(aev_computer, TorchaniAEV):
         raise TypeError(
@@ -221,12 +274,7 @@ def check_supported(aev_computer: torch.nn.Module) -> None:
             "torchani_fast supports ANIRadial + ANIAngular terms, got "
             f"{type(radial).__name__} + {type(angular).__name__}"
         )
-    for name, term in (("radial", radial), ("angular", angular)):
-        if type(term.cutoff_fn) is not CutoffCosine:
-            raise TypeError(
-                f"torchani_fast supports the cosine cutoff, but the {name} terms use "
-                f"{type(term.cutoff_fn).__name__}"
-            )
+    cutoff_constants(radial, angular)
     if not angular.cutoff <= radial.cutoff:
         raise TypeError(
             f"angular cutoff {angular.cutoff} must not exceed the radial cutoff {radial.cutoff}"

@@ -197,7 +197,8 @@ def _hessians(model, species, coords, cell, pbc) -> Tensor:
     consts = (
         aevc.radial.eta, aevc.radial.shifts, aevc.angular.eta, aevc.angular.zeta,
         aevc.angular.shifts, aevc.angular.sections, float(aevc.radial.cutoff),
-        float(aevc.angular.cutoff), aevc.num_species,
+        float(aevc.angular.cutoff), aevc.num_species, aevc.cutoff_kind, aevc.cutoff_order,
+        aevc.cutoff_eps,
     )
     aev = ops.aev(elem, pairs, diff, *consts).flatten(0, 1)  # (N, F)
     flat = elem.flatten()

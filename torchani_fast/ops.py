@@ -156,6 +156,11 @@ def pair_vectors(
     return diff, diff.norm(2, -1)
 
 
+# cutoff_kind of the AEV ops (aev_math::CutoffFn in csrc/aev/second_derivs.h).
+CUTOFF_COSINE = 0
+CUTOFF_SMOOTH = 1
+
+
 def aev(
     species: Tensor,
     pairs: Tensor,
@@ -169,6 +174,9 @@ def aev(
     radial_cutoff: float,
     angular_cutoff: float,
     num_species: int,
+    cutoff_kind: int = 0,
+    cutoff_order: int = 2,
+    cutoff_eps: float = 1e-10,
 ) -> Tensor:
     """ANI atomic environment vectors from a half neighbour list.
 
@@ -187,9 +195,15 @@ def aev(
         ``ANIRadial`` / ``ANIAngular`` constants (eta/zeta of size 1 or one per
         shift/section).
     radial_cutoff, angular_cutoff : float
-        Cosine cutoff radii in Å (angular <= radial).
+        Cutoff radii in Å (angular <= radial).
     num_species : int
         Number of elements the AEV distinguishes.
+    cutoff_kind, cutoff_order, cutoff_eps : int, int, float
+        The cutoff function of both terms: ``CUTOFF_COSINE`` (0, the default:
+        ``0.5 cos(pi r / rc) + 0.5``, TorchANI's ``CutoffCosine``) or
+        ``CUTOFF_SMOOTH`` (1: ``exp(1 - 1 / max(eps, 1 - (r / rc)^order))``,
+        TorchANI's ``CutoffSmooth(order, eps)``); order and eps are read for the
+        smooth kind only.
 
     Returns
     -------
@@ -199,6 +213,7 @@ def aev(
     return torch.ops.torchani_fast.aev(
         species, pairs, diff_vectors, radial_eta, radial_shifts, angular_eta, angular_zeta,
         angular_shifts, angular_sections, radial_cutoff, angular_cutoff, num_species,
+        cutoff_kind, cutoff_order, cutoff_eps,
     )
 
 
@@ -291,7 +306,7 @@ def _pair_vectors_backward_fake(grad, pairs, num_atoms):
 @torch.library.register_fake("torchani_fast::aev")
 def _aev_fake(species, pairs, diff_vectors, radial_eta, radial_shifts, angular_eta,
               angular_zeta, angular_shifts, angular_sections, radial_cutoff, angular_cutoff,
-              num_species):
+              num_species, cutoff_kind=0, cutoff_order=2, cutoff_eps=1e-10):
     torch._check(pairs.dim() == 2 and pairs.shape[0] == 2, lambda: "pairs must be (2, P)")
     torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
     length = _aev_length(radial_shifts, angular_shifts, angular_sections, num_species)
@@ -318,7 +333,7 @@ def _aev_backward_fake(grad_aev, species, pairs, diff_vectors, *rest):
 @torch.library.register_fake("torchani_fast::aev_jvp")
 def _aev_jvp_fake(tangent, species, pairs, diff_vectors, radial_eta, radial_shifts, angular_eta,
                   angular_zeta, angular_shifts, angular_sections, radial_cutoff, angular_cutoff,
-                  num_species):
+                  num_species, cutoff_kind=0, cutoff_order=2, cutoff_eps=1e-10):
     torch._check(diff_vectors.shape == (pairs.shape[1], 3), lambda: "diff_vectors must be (P, 3)")
     torch._check(tangent.shape == diff_vectors.shape, lambda: "tangent must be (P, 3)")
     length = _aev_length(radial_shifts, angular_shifts, angular_sections, num_species)

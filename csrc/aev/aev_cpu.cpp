@@ -31,15 +31,15 @@ namespace {
 // that a triple's gradient needs no division.
 template <typename scalar_t>
 inline void angular_cutoffs(const std::vector<Neighbor<scalar_t>>& ang, scalar_t rc,
-                            std::vector<scalar_t>& fc, std::vector<scalar_t>* dfc,
+                            const aev_math::CutoffFn<scalar_t>& cut, std::vector<scalar_t>& fc, std::vector<scalar_t>* dfc,
                             std::vector<scalar_t>* inv_r) {
   fc.resize(ang.size());
-  for (size_t j = 0; j < ang.size(); ++j) fc[j] = cutoff_cos(ang[j].r, rc);
+  for (size_t j = 0; j < ang.size(); ++j) fc[j] = aev_math::cutoff_value(cut, ang[j].r, rc);
   if (dfc == nullptr) return;
   dfc->resize(ang.size());
   inv_r->resize(ang.size());
   for (size_t j = 0; j < ang.size(); ++j) {
-    (*dfc)[j] = cutoff_cos_deriv(ang[j].r, rc);
+    (*dfc)[j] = aev_math::cutoff_deriv(cut, ang[j].r, rc);
     (*inv_r)[j] = ang[j].r > 0 ? scalar_t(1) / ang[j].r : scalar_t(0);
   }
 }
@@ -114,7 +114,7 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
       gather_neighbors(h, i, species, diff, nbrs);
       ang.clear();
       for (const auto& n : nbrs) {
-        const scalar_t fc = cutoff_cos(n.r, k.rc_r);
+        const scalar_t fc = aev_math::cutoff_value(k.cut, n.r, k.rc_r);
         scalar_t* out = row + n.species * k.R;
         for (int64_t s = 0; s < k.R; ++s) {
           const scalar_t x = n.r - k.shf_r[s];
@@ -122,7 +122,7 @@ void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdge
         }
         if (n.r <= k.rc_a) ang.push_back(n);
       }
-      angular_cutoffs<scalar_t>(ang, k.rc_a, fc_a, nullptr, nullptr);
+      angular_cutoffs<scalar_t>(ang, k.rc_a, k.cut, fc_a, nullptr, nullptr);
       for (size_t j = 0; j < ang.size(); ++j) {
         for (size_t l = j + 1; l < ang.size(); ++l) {
           const auto t = make_triple(ang[j], ang[l]);
@@ -183,8 +183,8 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
         scalar_t* ge = grad_edge + 3 * n.edge;
         if (n.r <= k.rc_a) ang.push_back(n);
         if (!(n.r > 0)) continue;  // coincident atoms: the direction is undefined
-        const scalar_t fc = cutoff_cos(n.r, k.rc_r);
-        const scalar_t dfc = cutoff_cos_deriv(n.r, k.rc_r);
+        const scalar_t fc = aev_math::cutoff_value(k.cut, n.r, k.rc_r);
+        const scalar_t dfc = aev_math::cutoff_deriv(k.cut, n.r, k.rc_r);
         const scalar_t* g = grow + n.species * k.R;
         scalar_t dr = 0;
         for (int64_t s = 0; s < k.R; ++s) {
@@ -196,7 +196,7 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
         for (int c = 0; c < 3; ++c) ge[c] += dr_r * n.v[c];
       }
       const size_t na = ang.size();
-      angular_cutoffs(ang, k.rc_a, fc_a, &dfc_a, &inv_r);
+      angular_cutoffs(ang, k.rc_a, k.cut, fc_a, &dfc_a, &inv_r);
       for (size_t j = 0; j < na; ++j) {
         for (size_t l = j + 1; l < na; ++l) {
           const auto& n1 = ang[j];
@@ -333,6 +333,17 @@ std::tuple<at::Tensor, at::Tensor> aev_forward_impl(const at::Tensor& species,
 
 }  // namespace
 
+void check_cutoff_fn(const char* op, int64_t cutoff_kind, int64_t cutoff_order,
+                     double cutoff_eps) {
+  TORCH_CHECK(cutoff_kind == aev_math::kCutoffCosine || cutoff_kind == aev_math::kCutoffSmooth,
+              op, ": cutoff_kind must be 0 (cosine) or 1 (smooth), got ", cutoff_kind);
+  if (cutoff_kind != aev_math::kCutoffSmooth) return;
+  TORCH_CHECK(cutoff_order >= 1 && cutoff_order <= 64, op,
+              ": cutoff_order of the smooth cutoff must be in [1, 64], got ", cutoff_order);
+  TORCH_CHECK(cutoff_eps > 0 && cutoff_eps < 1, op,
+              ": cutoff_eps of the smooth cutoff must be in (0, 1), got ", cutoff_eps);
+}
+
 void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tensor& pairs,
                       const at::Tensor& diff_vectors, const AEVParams& p) {
   TORCH_CHECK(species.scalar_type() == at::kLong || species.scalar_type() == at::kInt,
@@ -348,6 +359,7 @@ void check_aev_inputs(const char* op, const at::Tensor& species, const at::Tenso
   TORCH_CHECK(at::isFloatingType(diff_vectors.scalar_type()), op,
               ": diff_vectors must be float32 or float64, got ", diff_vectors.scalar_type());
   TORCH_CHECK(p.num_species > 0, op, ": num_species must be positive, got ", p.num_species);
+  check_cutoff_fn(op, p.cutoff_kind, p.cutoff_order, p.cutoff_eps);
   TORCH_CHECK(p.angular_cutoff > 0 && p.angular_cutoff <= p.radial_cutoff, op,
               ": need 0 < angular_cutoff <= radial_cutoff, got angular_cutoff=",
               p.angular_cutoff, " radial_cutoff=", p.radial_cutoff);

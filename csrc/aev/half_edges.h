@@ -189,6 +189,7 @@ template <typename scalar_t>
 struct Consts {
   int64_t S, R, A, Z, F, radial_len;
   scalar_t rc_r, rc_a;
+  aev_math::CutoffFn<scalar_t> cut;
   std::vector<scalar_t> eta_r, shf_r, eta_a, zeta, shf_a, cos_z, sin_z;
 
   explicit Consts(const AEVParams& p) {
@@ -224,6 +225,9 @@ struct Consts {
     }
     rc_r = static_cast<scalar_t>(p.radial_cutoff);
     rc_a = static_cast<scalar_t>(p.angular_cutoff);
+    cut.kind = p.cutoff_kind;
+    cut.order = p.cutoff_order;
+    cut.eps = static_cast<scalar_t>(p.cutoff_eps);
     radial_len = S * R;
     F = radial_len + S * (S + 1) / 2 * A * Z;
   }
@@ -231,7 +235,8 @@ struct Consts {
   aev_math::ConstView<scalar_t> view() const {
     return {S,           R,           A,           Z,            F,
             radial_len,  rc_r,        rc_a,        eta_r.data(), shf_r.data(),
-            eta_a.data(), shf_a.data(), zeta.data(), cos_z.data(),  sin_z.data()};
+            eta_a.data(), shf_a.data(), zeta.data(), cos_z.data(),  sin_z.data(),
+            cut};
   }
   // Row-major upper-triangular index of the species pair (s1, s2), as torchani's triu_index.
   int64_t pair_index(int64_t s1, int64_t s2) const {

@@ -87,6 +87,82 @@ TF_HOST_DEVICE inline scalar_t cutoff_cos_deriv2(scalar_t r, scalar_t rc) {
   return scalar_t(-0.5) * w * w * m_cos(r * w);
 }
 
+// The cutoff function of both AEV terms, a parameter of every AEV op (schema
+// arguments cutoff_kind, cutoff_order, cutoff_eps; TorchANI's torchani.cutoffs):
+//   kCutoffCosine  fc = 0.5 cos(pi r / rc) + 0.5 (CutoffCosine, with cutoff_tail)
+//   kCutoffSmooth  fc = exp(1 - 1 / max(eps, 1 - (r / rc)^n)) (CutoffSmooth(order
+//                  n, eps)), computed in TorchANI's order of operations.
+// The smooth cutoff's derivatives are fc times a factor, as autograd forms
+// them from exp's result: where fc underflows to 0 (r > 0.9943 rc in float32,
+// 0.9993 rc in float64 for n = 2) so do they, and where the eps clamp is active
+// (fc = exp(1 - 1/eps), 0 for TorchANI's eps = 1e-10) they are 0. Unlike the
+// cosine's tail there is no accurate value to keep in float32 (it is below the
+// smallest float), so an AEV block can be exactly 0 with a neighbour in it: the
+// Python AEVComputer reports zero_block_exact = False for this kind.
+constexpr int64_t kCutoffCosine = 0;
+constexpr int64_t kCutoffSmooth = 1;
+
+template <typename scalar_t>
+struct CutoffFn {
+  int64_t kind = kCutoffCosine;
+  int64_t order = 2;  // kCutoffSmooth: n >= 1
+  scalar_t eps = scalar_t(1e-10);
+};
+
+// (r / rc)^n as TorchANI's x ** n: x * x for n = 2 (ATen's pow special case),
+// repeated products otherwise (n is small).
+template <typename scalar_t>
+TF_HOST_DEVICE inline scalar_t ipow(scalar_t x, int64_t n) {
+  scalar_t p = x;
+  for (int64_t j = 1; j < n; ++j) p *= x;
+  return n <= 0 ? scalar_t(1) : p;
+}
+
+// The smooth cutoff's parts at r: u = max(eps, 1 - x^n), whether the clamp is
+// inactive, and g = d log(fc) / dr = -n x^(n-1) / (rc u^2) (0 when clamped).
+template <typename scalar_t>
+struct SmoothParts {
+  scalar_t x, u, fc, g;
+  bool free;
+};
+template <typename scalar_t>
+TF_HOST_DEVICE inline SmoothParts<scalar_t> smooth_parts(const CutoffFn<scalar_t>& f, scalar_t r,
+                                                         scalar_t rc) {
+  SmoothParts<scalar_t> s;
+  s.x = r / rc;
+  const scalar_t u = scalar_t(1) - ipow(s.x, f.order);
+  s.free = u >= f.eps;  // (torch.clamp passes the gradient at u == eps)
+  s.u = s.free ? u : f.eps;
+  s.fc = m_exp(scalar_t(1) - scalar_t(1) / s.u);
+  s.g = s.free ? -scalar_t(f.order) * ipow(s.x, f.order - 1) / (rc * s.u * s.u) : scalar_t(0);
+  return s;
+}
+
+template <typename scalar_t>
+TF_HOST_DEVICE inline scalar_t cutoff_value(const CutoffFn<scalar_t>& f, scalar_t r, scalar_t rc) {
+  if (f.kind == kCutoffCosine) return cutoff_cos(r, rc);
+  return smooth_parts(f, r, rc).fc;
+}
+template <typename scalar_t>
+TF_HOST_DEVICE inline scalar_t cutoff_deriv(const CutoffFn<scalar_t>& f, scalar_t r, scalar_t rc) {
+  if (f.kind == kCutoffCosine) return cutoff_cos_deriv(r, rc);
+  const SmoothParts<scalar_t> s = smooth_parts(f, r, rc);
+  return s.fc * s.g;
+}
+// fc'' = fc (g^2 + g'), g' = -n (n-1) x^(n-2) / (rc^2 u^2) - 2 n^2 x^(2n-2) / (rc^2 u^3).
+template <typename scalar_t>
+TF_HOST_DEVICE inline scalar_t cutoff_deriv2(const CutoffFn<scalar_t>& f, scalar_t r, scalar_t rc) {
+  if (f.kind == kCutoffCosine) return cutoff_cos_deriv2(r, rc);
+  const SmoothParts<scalar_t> s = smooth_parts(f, r, rc);
+  if (!s.free) return scalar_t(0);
+  const scalar_t n = scalar_t(f.order);
+  const scalar_t xn1 = ipow(s.x, f.order - 1);
+  const scalar_t xn2 = f.order >= 2 ? ipow(s.x, f.order - 2) : scalar_t(0);
+  const scalar_t inv = scalar_t(1) / (rc * rc * s.u * s.u);
+  const scalar_t dg = -(n * (n - scalar_t(1)) * xn2 + scalar_t(2) * n * n * xn1 * xn1 / s.u) * inv;
+  return s.fc * (s.g * s.g + dg);
+}
+
 // The AEV constants in the working dtype, every per-column array expanded to
 // its full length (R, A, Z): raw pointers into host vectors (CPU) or a device
 // buffer (CUDA).
@@ -95,6 +171,7 @@ struct ConstView {
   int64_t S, R, A, Z, F, radial_len;
   scalar_t rc_r, rc_a;
   const scalar_t *eta_r, *shf_r, *eta_a, *shf_a, *zeta, *cos_z, *sin_z;
+  CutoffFn<scalar_t> cut;  // of both terms
 
   // Row-major upper-triangular index of the species pair (s1, s2), as torchani's triu_index.
   TF_HOST_DEVICE int64_t pair_index(int64_t s1, int64_t s2) const {
@@ -218,9 +295,9 @@ TF_HOST_DEVICE void distance_terms(const ConstView<scalar_t>& k, scalar_t mean_r
 template <typename scalar_t>
 TF_HOST_DEVICE void radial_phi(const ConstView<scalar_t>& k, scalar_t r, const scalar_t* g,
                                scalar_t& phi1, scalar_t& phi2) {
-  const scalar_t fc = cutoff_cos(r, k.rc_r);
-  const scalar_t dfc = cutoff_cos_deriv(r, k.rc_r);
-  const scalar_t d2fc = cutoff_cos_deriv2(r, k.rc_r);
+  const scalar_t fc = cutoff_value(k.cut, r, k.rc_r);
+  const scalar_t dfc = cutoff_deriv(k.cut, r, k.rc_r);
+  const scalar_t d2fc = cutoff_deriv2(k.cut, r, k.rc_r);
   phi1 = 0;
   phi2 = 0;
   for (int64_t s = 0; s < k.R; ++s) {
@@ -372,9 +449,9 @@ TF_HOST_DEVICE void angular_cutoffs(const ConstView<scalar_t>& k, const Edges& h
   for (int64_t e = h.begin(i); e < h.end(i); ++e) {
     const scalar_t r = h.neighbor(e).r;
     if (!(r <= k.rc_a)) continue;
-    fcw[3 * e] = cutoff_cos(r, k.rc_a);
-    fcw[3 * e + 1] = cutoff_cos_deriv(r, k.rc_a);
-    if (second) fcw[3 * e + 2] = cutoff_cos_deriv2(r, k.rc_a);
+    fcw[3 * e] = cutoff_value(k.cut, r, k.rc_a);
+    fcw[3 * e + 1] = cutoff_deriv(k.cut, r, k.rc_a);
+    if (second) fcw[3 * e + 2] = cutoff_deriv2(k.cut, r, k.rc_a);
   }
 }
 
@@ -400,8 +477,8 @@ TF_HOST_DEVICE void jvp_center(const ConstView<scalar_t>& k, const Edges& h, int
     const Neighbor<scalar_t> n = h.neighbor(e);
     if (!(n.r > 0)) continue;
     const scalar_t dr = dot3(n.v, u_edge + 3 * e) / n.r;
-    const scalar_t fc = cutoff_cos(n.r, k.rc_r);
-    const scalar_t dfc = cutoff_cos_deriv(n.r, k.rc_r);
+    const scalar_t fc = cutoff_value(k.cut, n.r, k.rc_r);
+    const scalar_t dfc = cutoff_deriv(k.cut, n.r, k.rc_r);
     scalar_t* o = row + n.species * k.R;
     for (int64_t s = 0; s < k.R; ++s) {
       const scalar_t x = n.r - k.shf_r[s];
@@ -544,8 +621,8 @@ TF_HOST_DEVICE void local_center(const ConstView<scalar_t>& k, const Edges& h, i
     const Neighbor<scalar_t> n = h.neighbor(e);
     if (!(n.r > 0)) continue;
     const int64_t sl = slot[e];
-    const scalar_t fc = cutoff_cos(n.r, k.rc_r);
-    const scalar_t dfc = cutoff_cos_deriv(n.r, k.rc_r);
+    const scalar_t fc = cutoff_value(k.cut, n.r, k.rc_r);
+    const scalar_t dfc = cutoff_deriv(k.cut, n.r, k.rc_r);
     scalar_t hv[3];
     for (int c = 0; c < 3; ++c) hv[c] = n.v[c] / n.r;
     const int64_t off = n.species * k.R;

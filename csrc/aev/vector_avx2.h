@@ -26,7 +26,7 @@ TF_AVX2 void sorted_neighbors(const HalfEdges& h, int64_t i, const Consts<float>
     _mm256_storeu_ps(all.r.data() + e,
                      _mm256_sqrt_ps(_mm256_fmadd_ps(z, z, _mm256_fmadd_ps(y, y, _mm256_mul_ps(x, x)))));
   }
-  all.cutoffs(k.rc_r, backward);
+  all.cutoffs(k.rc_r, backward, k.cut);
   int64_t count = 0;
   for (int64_t e = 0; e < all.n; ++e) count += all.r[e] <= k.rc_a;
   ang.resize(count, k.S);
@@ -43,7 +43,7 @@ TF_AVX2 void sorted_neighbors(const HalfEdges& h, int64_t i, const Consts<float>
     }
   }
   ang.seg[k.S] = a;
-  ang.cutoffs(k.rc_a, backward);
+  ang.cutoffs(k.rc_a, backward, k.cut);
 }
 
 // sorted_neighbors, on 16 lanes where `wide`.

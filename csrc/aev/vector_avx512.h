@@ -50,7 +50,7 @@ TF_AVX512 void sorted_neighbors512(const HalfEdges& h, int64_t i, const Consts<f
     const __mmask16 valid = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
     count += __builtin_popcount(_mm512_mask_cmp_ps_mask(valid, r, rc_a, _CMP_LE_OQ));
   }
-  all.cutoffs(k.rc_r, backward);
+  all.cutoffs(k.rc_r, backward, k.cut);
   ang.resize(count, k.S);
   int64_t a = 0;
   for (int64_t s = 0; s < k.S; ++s) {
@@ -76,7 +76,7 @@ TF_AVX512 void sorted_neighbors512(const HalfEdges& h, int64_t i, const Consts<f
     }
   }
   ang.seg[k.S] = a;
-  ang.cutoffs(k.rc_a, backward);
+  ang.cutoffs(k.rc_a, backward, k.cut);
 }
 
 // section_base and radial_factor on 16 lanes (the constants broadcast from

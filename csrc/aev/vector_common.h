@@ -28,7 +28,8 @@ struct NeighborArrays {
     seg.assign(S + 1, 0);
   }
   // fc (and dfc, inv_r) of every neighbour for the cutoff rc.
-  TF_AVX2 void cutoffs(float rc, bool backward) {
+  TF_AVX2 void cutoffs(float rc, bool backward, const aev_math::CutoffFn<float>& fn) {
+    if (fn.kind == aev_math::kCutoffSmooth) return smooth_cutoffs(rc, backward, fn);
     const __m256 w = _mm256_set1_ps(static_cast<float>(aev_math::kPi) / rc);
     const __m256 half = _mm256_set1_ps(0.5f), neg_half_w = _mm256_mul_ps(_mm256_set1_ps(-0.5f), w);
     const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
@@ -45,6 +46,30 @@ struct NeighborArrays {
       _mm256_storeu_ps(fc.data() + e, _mm256_blendv_ps(f, _mm256_mul_ps(t, t), tail));
       if (!backward) continue;
       _mm256_storeu_ps(dfc.data() + e, _mm256_mul_ps(neg_half_w, s));
+      const __m256 positive = _mm256_cmp_ps(rr, zero, _CMP_GT_OQ);
+      _mm256_storeu_ps(inv_r.data() + e, _mm256_and_ps(_mm256_div_ps(one, rr), positive));
+    }
+  }
+  // aev_math::smooth_parts on 8 lanes, the same operations (the exp is
+  // simd::exp): fc = exp(1 - 1/u), u = max(eps, 1 - (r/rc)^n), and dfc = fc g,
+  // g = -n (r/rc)^(n-1) / (rc u^2) where u >= eps, else 0.
+  TF_AVX2 void smooth_cutoffs(float rc, bool backward, const aev_math::CutoffFn<float>& fn) {
+    const __m256 cut = _mm256_set1_ps(rc), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 eps = _mm256_set1_ps(fn.eps), neg_n = _mm256_set1_ps(-static_cast<float>(fn.order));
+    for (int64_t e = 0; e < n; e += 8) {
+      const __m256 rr = _mm256_loadu_ps(r.data() + e);
+      const __m256 x = _mm256_div_ps(rr, cut);
+      __m256 xn1 = one;  // x^(n-1)
+      for (int64_t j = 1; j < fn.order; ++j) xn1 = j == 1 ? x : _mm256_mul_ps(xn1, x);
+      const __m256 xn = fn.order == 1 ? x : _mm256_mul_ps(xn1, x);
+      const __m256 u0 = _mm256_sub_ps(one, xn);
+      const __m256 free = _mm256_cmp_ps(u0, eps, _CMP_GE_OQ);
+      const __m256 u = _mm256_blendv_ps(eps, u0, free);
+      const __m256 f = simd::exp(_mm256_sub_ps(one, _mm256_div_ps(one, u)));
+      _mm256_storeu_ps(fc.data() + e, f);
+      if (!backward) continue;
+      const __m256 g = _mm256_div_ps(_mm256_mul_ps(neg_n, xn1), _mm256_mul_ps(_mm256_mul_ps(cut, u), u));
+      _mm256_storeu_ps(dfc.data() + e, _mm256_mul_ps(f, _mm256_and_ps(g, free)));
       const __m256 positive = _mm256_cmp_ps(rr, zero, _CMP_GT_OQ);
       _mm256_storeu_ps(inv_r.data() + e, _mm256_and_ps(_mm256_div_ps(one, rr), positive));
     }

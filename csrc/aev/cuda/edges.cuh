@@ -40,6 +40,7 @@ struct Params {
   int64_t S, R, A, Z, AZ, F, radial_len;
   scalar_t rc_r, rc_a;
   scalar_t rc_r_sq;  // rounded from the double square, as on the CPU
+  aev_math::CutoffFn<scalar_t> cut;  // of both terms
 };
 
 // Device copies of the constants in the working dtype (no-ops when the
@@ -76,12 +77,16 @@ struct ParamTensors {
     p.rc_r = static_cast<scalar_t>(a.radial_cutoff);
     p.rc_a = static_cast<scalar_t>(a.angular_cutoff);
     p.rc_r_sq = static_cast<scalar_t>(a.radial_cutoff * a.radial_cutoff);
+    p.cut.kind = a.cutoff_kind;
+    p.cut.order = a.cutoff_order;
+    p.cut.eps = static_cast<scalar_t>(a.cutoff_eps);
   }
 };
 
-// The cosine cutoff and its derivative, as on the CPU (cosf/sinf, cos/sin).
-using aev_math::cutoff_cos;
-using aev_math::cutoff_cos_deriv;
+// The cutoff function and its derivative, as on the CPU (cosf/sinf, cos/sin;
+// expf, exp).
+using aev_math::cutoff_value;
+using aev_math::cutoff_deriv;
 
 // Row-major upper-triangular index of the species pair, as torchani's triu_index.
 __device__ __forceinline__ int64_t pair_index(int64_t s1, int64_t s2, int64_t S) {
@@ -179,11 +184,11 @@ __global__ void edge_sort_kernel(Params<scalar_t> k, const int64_t* __restrict__
       e[kVy] = v1;
       e[kVz] = v2;
       e[kR] = r;
-      e[kFcR] = cutoff_cos(r, k.rc_r);
-      e[kDfcR] = cutoff_cos_deriv(r, k.rc_r);
+      e[kFcR] = cutoff_value(k.cut, r, k.rc_r);
+      e[kDfcR] = cutoff_deriv(k.cut, r, k.rc_r);
       const bool ang = (mine >> kKeyAngularShift) == 0;
-      e[kFcA] = ang ? cutoff_cos(r, k.rc_a) : scalar_t(0);
-      e[kDfcA] = ang ? cutoff_cos_deriv(r, k.rc_a) : scalar_t(0);
+      e[kFcA] = ang ? cutoff_value(k.cut, r, k.rc_a) : scalar_t(0);
+      e[kDfcA] = ang ? cutoff_deriv(k.cut, r, k.rc_a) : scalar_t(0);
       nspec[pos] = static_cast<int32_t>(species[side == 0 ? pairs[P + p] : pairs[p]]);
       pair_edge[2 * p + side] = pos;
     }

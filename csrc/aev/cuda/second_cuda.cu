@@ -87,6 +87,7 @@ struct DeviceConsts {
     view.radial_len = k.radial_len;
     view.rc_r = k.rc_r;
     view.rc_a = k.rc_a;
+    view.cut = k.cut;
     view.eta_r = b;
     view.shf_r = b + k.R;
     view.eta_a = b + 2 * k.R;

@@ -5,8 +5,37 @@
 """
 import re
 
-import torch  # noqa: F401  (loads libtorch, which _C links against)
-import torchani
+
+def _check_not_source_tree() -> None:
+    """Refuse, by name, a source checkout that shadows the installed package.
+
+    ``python -c "import torchani_fast"`` run from the repository root imports
+    the checkout's ``torchani_fast/`` (the current directory comes first on
+    ``sys.path``), which has no compiled ``_C`` unless it was built in place;
+    without this check the import fails later with a misleading error.
+    """
+    import importlib.util
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    if not (os.path.isfile(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "csrc"))):
+        return  # an installed copy (wheel): a missing _C is reported below
+    if importlib.util.find_spec(__name__ + "._C") is not None:
+        return  # built in place, or an editable install
+    raise ImportError(
+        f"torchani_fast: you are importing the source tree at {here} (the current directory "
+        "or PYTHONPATH puts the repository before the installed package), which has no "
+        "compiled ops (torchani_fast._C). Run Python from another directory to use the "
+        "installed torchani_fast, or build the checkout in place: "
+        "`pip install --no-build-isolation -e .`"
+    )
+
+
+_check_not_source_tree()
+
+import torch  # noqa: E402,F401  (loads libtorch, which _C links against)
+import torchani  # noqa: E402
 
 SUPPORTED_TORCHANI = "2.7-2.9"
 LEGACY_TORCHANI = "2.2.4"

@@ -103,8 +103,8 @@ def molecule(name, elements):
 
 
 def padded_batch(elements):
-    """Two molecules of different sizes, the smaller padded with -1 (and NaN coords)."""
-    s1, x1 = molecule("3hkw_ligand.xyz", elements)
+    """Two molecules of different sizes, the smaller padded with -1."""
+    s1, x1 = molecule("3lka_ligand.xyz", elements)
     s2, x2 = molecule("2iuz_ligand.xyz", elements)
     n = max(s1.shape[1], s2.shape[1])
     species = torch.full((2, n), -1, dtype=torch.long)
@@ -134,9 +134,9 @@ def assert_close(actual, expected, rtol=RTOL):
 
 
 def triclinic_box(elements):
-    """A ligand in a triclinic cell (atoms wrapped into it, as 2.2.4 needs)."""
-    species, coords = molecule("3hkw_ligand.xyz", elements)
-    cell = torch.tensor([[14.0, 0.0, 0.0], [3.0, 13.0, 0.0], [-2.0, 2.5, 12.5]], dtype=torch.float64)
+    """A ligand in a triclinic cell (atoms wrapped into it, as 2.2.4 needs) that it overlaps."""
+    species, coords = molecule("3lka_ligand.xyz", elements)
+    cell = torch.tensor([[9.0, 0.0, 0.0], [2.0, 8.5, 0.0], [-1.5, 1.5, 8.0]], dtype=torch.float64)
     coords = torchani.utils.map2central(cell, coords - coords.mean(1, keepdim=True),
                                         torch.tensor([True, True, True]))
     return species, coords, cell
@@ -163,9 +163,10 @@ def test_padded_batch():
     assert_close(f, f_ref)
     assert float(f[species < 0].abs().max()) == 0.0
     # The padded molecule alone gives the same energy.
-    n = int((species[1] >= 0).sum())
-    alone = fast((species[1:, :n], coords[1:, :n])).energies.detach()
-    assert_close(alone, e[1:])
+    k = int((species < 0).any(1).nonzero()[0, 0])
+    n = int((species[k] >= 0).sum())
+    alone = fast((species[k:k + 1, :n], coords[k:k + 1, :n])).energies.detach()
+    assert_close(alone, e[k:k + 1])
     # Padding may carry NaN coordinates in the patched model.
     nan_coords = coords.clone()
     nan_coords[species < 0] = float("nan")
@@ -295,8 +296,8 @@ def test_torchscript_save_load(tmp_path):
 
 def test_ase_calculator():
     ref, fast = pair("ANI2x")
-    atoms = read_molecule("3hkw_ligand.xyz")
-    atoms.cell = [[14.0, 0.0, 0.0], [3.0, 13.0, 0.0], [-2.0, 2.5, 12.5]]
+    atoms = read_molecule("3lka_ligand.xyz")
+    atoms.cell = [[9.0, 0.0, 0.0], [2.0, 8.5, 0.0], [-1.5, 1.5, 8.0]]
     atoms.pbc = True
     atoms.positions -= atoms.positions.mean(0)
     results = []
@@ -340,3 +341,13 @@ def test_patch_refuses_what_it_cannot_reproduce():
 def test_modern_only_parts_say_so():
     with pytest.raises(AttributeError, match="needs TorchANI 2.7-2.9"):
         torchani_fast.EnergyForcesStep
+
+
+def test_copies_and_full_model_pickles(tmp_path):
+    ref, fast = pair("ANI1x")
+    species, coords = molecule("2iuz_ligand.xyz", ELEMENTS["ANI1x"])
+    e_ref = ref((species, coords)).energies.detach()
+    torch.save(fast, tmp_path / "model.pt")
+    for model in (copy.deepcopy(fast), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert type(model) is type(fast) and torchani_fast.is_patched(model)
+        assert_close(model((species, coords)).energies.detach(), e_ref)

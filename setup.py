@@ -6,9 +6,12 @@ Environment switches:
   TORCH_CUDA_ARCH_LIST    GPU architectures (default: torch's own, plus PTX)
   DEBUG=1                 -O0 -g
 """
+import atexit
 import glob
 import os
+import shutil
 import sys
+import tempfile
 
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
@@ -69,8 +72,26 @@ def _extension():
     )
 
 
+def _wheel_build_options() -> dict:
+    """Build a wheel (``pip install .``, ``python -m build``) in a temporary folder.
+
+    setuptools would otherwise leave ``build/lib*/torchani_fast`` (the Python
+    files and ``_C*.so`` of that build) and ``build/temp*`` in the checkout, and
+    a later wheel copies whatever is still there: a module deleted since, or
+    objects compiled against another torch. The folder is removed when the
+    build process exits. ``setup.py build_ext --inplace`` and editable installs
+    keep ``build/temp*``, so their rebuilds stay incremental.
+    """
+    if "bdist_wheel" not in sys.argv:
+        return {}
+    base = tempfile.mkdtemp(prefix="torchani_fast-build-")
+    atexit.register(shutil.rmtree, base, True)
+    return {"build": {"build_base": base}, "egg_info": {"egg_base": base}}
+
+
 setup(
     packages=find_packages(include=["torchani_fast", "torchani_fast.*"]),
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
+    options=_wheel_build_options(),
 )

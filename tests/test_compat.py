@@ -118,12 +118,16 @@ def test_aev_computer_shape_errors_stay_assertion_errors(pair64):
         fast.aev_computer(species, coords)
 
 
-@pytest.mark.parametrize("version", ["2.2.4", "2.6.1", "1.0"])
+@pytest.mark.parametrize("version", ["2.6.1", "2.3.0", "2.2.3", "2.2", "1.0"])
 def test_torchani_older_than_2_7_is_refused_by_name(version):
-    with pytest.raises(ImportError, match=rf"TorchANI 2\.7-2\.9, found TorchANI {re.escape(version)}"):
+    with pytest.raises(ImportError, match=rf"TorchANI 2\.7-2\.9 and the legacy 2\.2\.4, found TorchANI {re.escape(version)}"):
         torchani_fast._check_torchani_version(version)
 
 
 @pytest.mark.parametrize("version", ["2.7.1", "2.8.6", "2.9.0", "2.9.0.dev3+g1234", ""])
 def test_supported_torchani_versions_pass(version):
-    torchani_fast._check_torchani_version(version)
+    assert torchani_fast._check_torchani_version(version) is False
+
+
+def test_legacy_torchani_2_2_4_is_accepted_as_legacy():
+    assert torchani_fast._check_torchani_version("2.2.4") is True

@@ -5,25 +5,59 @@
 """
 import re
 
-import torch  # noqa: F401  (loads libtorch, which _C links against)
-import torchani
+
+def _check_not_source_tree() -> None:
+    """Refuse, by name, a source checkout that shadows the installed package.
+
+    ``python -c "import torchani_fast"`` run from the repository root imports
+    the checkout's ``torchani_fast/`` (the current directory comes first on
+    ``sys.path``), which has no compiled ``_C`` unless it was built in place;
+    without this check the import fails later with a misleading error.
+    """
+    import importlib.util
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    if not (os.path.isfile(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "csrc"))):
+        return  # an installed copy (wheel): a missing _C is reported below
+    if importlib.util.find_spec(__name__ + "._C") is not None:
+        return  # built in place, or an editable install
+    raise ImportError(
+        f"torchani_fast: you are importing the source tree at {here} (the current directory "
+        "or PYTHONPATH puts the repository before the installed package), which has no "
+        "compiled ops (torchani_fast._C). Run Python from another directory to use the "
+        "installed torchani_fast, or build the checkout in place: "
+        "`pip install --no-build-isolation -e .`"
+    )
+
+
+_check_not_source_tree()
+
+import torch  # noqa: E402,F401  (loads libtorch, which _C links against)
+import torchani  # noqa: E402
 
 SUPPORTED_TORCHANI = "2.7-2.9"
+LEGACY_TORCHANI = "2.2.4"
 
 
-def _check_torchani_version(version: str) -> None:
-    """Refuse a TorchANI older than 2.7 by name (its models have another patch
-    surface: 2.2.4's BuiltinModel, docs/usage.md), rather than fail later on a
-    missing module."""
-    parts = [int(p) for p in re.findall(r"\d+", version)[:2]]
-    if len(parts) == 2 and tuple(parts) < (2, 7):
+def _check_torchani_version(version: str) -> bool:
+    """Refuse a TorchANI older than 2.7 by name, except the legacy 2.2.4 (whose
+    models have another patch surface, torchani_fast.legacy), rather than fail
+    later on a missing module. Returns whether ``version`` is the legacy one."""
+    parts = [int(p) for p in re.findall(r"\d+", version)[:3]]
+    if len(parts) >= 2 and tuple(parts[:2]) < (2, 7):
+        if parts == [2, 2, 4]:
+            return True
         raise ImportError(
-            f"torchani_fast supports TorchANI {SUPPORTED_TORCHANI}, found TorchANI {version}: "
-            "install `torchani>=2.7,<2.10` (the legacy 2.2.4 API is not supported yet)"
+            f"torchani_fast supports TorchANI {SUPPORTED_TORCHANI} and the legacy "
+            f"{LEGACY_TORCHANI}, found TorchANI {version}: install `torchani>=2.7,<2.10` "
+            f"(or `torchani=={LEGACY_TORCHANI}` for the legacy API)"
         )
+    return False
 
 
-_check_torchani_version(getattr(torchani, "__version__", ""))
+_LEGACY = _check_torchani_version(getattr(torchani, "__version__", ""))
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.torchani_fast.*)
@@ -35,11 +69,26 @@ except ImportError as exc:  # keep the real reason: a missing build, an ABI mism
     ) from exc
 
 from . import ops  # noqa: E402,F401  (fake kernels)
-from .aev import AEVComputer  # noqa: E402
-from .patch import is_patched, patch  # noqa: E402
-from . import grad  # noqa: E402  (energies_forces_and_hessians)
-from .step import EnergyForcesStep  # noqa: E402
-from .screen import screen  # noqa: E402  (the function; the module is sys.modules["torchani_fast.screen"])
+
+if _LEGACY:
+    # TorchANI 2.2.4: patch() and the AEV computer of torchani_fast.legacy; the
+    # rest of the package is written against TorchANI >= 2.7's modules.
+    from .legacy import AEVComputer, is_patched, patch  # noqa: E402
+
+    _NEEDS_MODERN = ("grad", "EnergyForcesStep", "screen")
+
+    def __getattr__(name: str):
+        if name in _NEEDS_MODERN:
+            raise AttributeError(
+                f"torchani_fast.{name} needs TorchANI {SUPPORTED_TORCHANI}; with TorchANI "
+                f"{LEGACY_TORCHANI} torchani_fast offers patch() (torchani_fast.legacy)")
+        raise AttributeError(f"module 'torchani_fast' has no attribute {name!r}")
+else:
+    from .aev import AEVComputer  # noqa: E402
+    from .patch import is_patched, patch  # noqa: E402
+    from . import grad  # noqa: E402  (energies_forces_and_hessians)
+    from .step import EnergyForcesStep  # noqa: E402
+    from .screen import screen  # noqa: E402  (the function; the module is sys.modules["torchani_fast.screen"])
 
 __version__ = "0.1.0"
 __all__ = ["AEVComputer", "EnergyForcesStep", "patch", "is_patched", "ops", "grad", "cpu_isa",

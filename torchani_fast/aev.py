@@ -9,7 +9,15 @@ import typing as tp
 import torch
 from torch import Tensor
 from torch.jit import Final
-from torchani.neighbors import Neighbors
+try:
+    from torchani.neighbors import Neighbors
+except ImportError:  # TorchANI 2.2.4: torchani_fast.legacy uses NeighborList with this stand-in
+    class Neighbors(tp.NamedTuple):
+        """``torchani.neighbors.Neighbors`` of TorchANI >= 2.7."""
+
+        indices: Tensor
+        distances: Tensor
+        diff_vectors: Tensor
 
 from . import ops
 from .validation import InputError, check_periodic_work

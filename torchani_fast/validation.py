@@ -26,8 +26,12 @@ import typing as tp
 
 import torch
 from torch import Tensor
-from torchani.constants import PERIODIC_TABLE
-from torchani.nn import SpeciesConverter as _TorchaniSpeciesConverter
+try:
+    from torchani.constants import PERIODIC_TABLE
+    from torchani.nn import SpeciesConverter as _TorchaniSpeciesConverter
+except ImportError:  # TorchANI 2.2.4 (torchani_fast.legacy): its converter is kept as it is
+    from torchani.utils import PERIODIC_TABLE
+    _TorchaniSpeciesConverter = torch.nn.Module
 
 __all__ = ["InputError", "DTYPE_RULE", "check_inputs", "check_cell_pbc", "SpeciesConverter"]
 

@@ -8,7 +8,23 @@ import typing as tp
 import torch
 from torch import Tensor
 from torch.jit import Final
-from torchani.nn import ANINetworks, AtomicContainer, Ensemble
+try:
+    from torchani.nn import ANINetworks, AtomicContainer, Ensemble
+except ImportError:  # TorchANI 2.2.4: the base of torchani_fast.legacy's fused networks
+    from .layout import ANINetworks, Ensemble  # stand-ins that match no module
+
+    class AtomicContainer(torch.nn.Module):
+        """The attributes of TorchANI >= 2.7's ``AtomicContainer`` that the fused modules use."""
+
+        num_species: int
+        total_members_num: int
+        active_members_idxs: tp.List[int]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.total_members_num = 1
+            self.active_members_idxs = [0]
+            self.num_species = 0
 
 from .grouping import aten_composition_groups, aten_groups, composition_groups, groups
 from .layout import (_aev_layout, _bitmask, _Layout, _zero_blocks_mean_no_neighbors, aev_columns,
@@ -62,7 +78,7 @@ class _FusedBase(AtomicContainer):
     def _init_layout(self, aev_computer: tp.Optional[torch.nn.Module]) -> None:
         atomics = self._member_atomics()[0]
         self.num_species = len(atomics)
-        self.num_layers = [len(a.layers) + 1 for a in atomics]
+        self.num_layers = [len(_linears(a)) for a in atomics]
         self.offsets = []
         off = 0
         for n in self.num_layers:

@@ -7,7 +7,17 @@ TorchANI networks module cannot be fused.
 import typing as tp
 
 import torch
-from torchani.nn import ANINetworks, Ensemble, TightCELU
+try:
+    from torchani.nn import ANINetworks, Ensemble, TightCELU
+except ImportError:  # TorchANI 2.2.4: torchani_fast.legacy checks its networks itself
+    class ANINetworks:  # noqa: D101  (stand-ins that match no module)
+        pass
+
+    class Ensemble:  # noqa: D101
+        pass
+
+    class TightCELU:  # noqa: D101
+        pass
 
 __all__ = ["aev_columns", "linears", "unsupported_reason"]
 
@@ -52,6 +62,8 @@ class _Layout(tp.NamedTuple):
 
 
 def linears(atomic: torch.nn.Module) -> tp.List[torch.nn.Linear]:
+    if isinstance(atomic, torch.nn.Sequential):  # TorchANI 2.2.4: Linear, CELU, ..., Linear
+        return [m for m in atomic if isinstance(m, torch.nn.Linear)]
     return list(atomic.layers) + [atomic.final_layer]
 
 

@@ -127,22 +127,22 @@ class FastDispersionD3(TwoBodyDispersionD3):
         cn.index_add_(0, i, count)
         cn.index_add_(0, j, count)
 
-        # Per-element reference coordination numbers along each axis of the grid.
-        # Padding atoms (-1) index the last element: their rows are never read.
-        diag = torch.arange(num_elem, device=flat.device)
-        ref_a = self.precalc_coordnums_a[diag, diag, :, 0]  # (T, 5)
-        ref_b = self.precalc_coordnums_b[diag, diag, 0, :]  # (T, 5)
-        weights = (self.precalc_coeff6 > 0.0).to(d.dtype)    # (T, T, 5, 5)
-        coeff = self.precalc_coeff6.to(d.dtype) * weights
+        # Per-element reference coordination numbers along each axis of the grid
+        # (the diagonal of the (T, T, 5, 5) tables; d3_unsupported_reason checks that
+        # it holds for every partner). Padding atoms (-1) index the last element:
+        # their rows are never read.
+        ref_a = self.precalc_coordnums_a.diagonal(0, 0, 1)[:, 0, :].t()  # (T, 5)
+        ref_b = self.precalc_coordnums_b.diagonal(0, 0, 1)[0, :, :].t()  # (T, 5)
+        c6_ref = self.precalc_coeff6.to(d.dtype)
+        weights = (c6_ref > 0.0).to(d.dtype)
+        # (T, T, 2, 5, 5): the masked C6 values and the mask (TorchANI's masked_fill).
+        tables = torch.stack([c6_ref * weights, weights], 2)
         u = torch.exp(-self._k3 * (cn.unsqueeze(1) - ref_a[flat]) ** 2)  # (N, 5)
         v = torch.exp(-self._k3 * (cn.unsqueeze(1) - ref_b[flat]) ** 2)  # (N, 5)
-        # (u_i C)[t, b] and (u_i W)[t, b] for every atom i and partner element t.
-        uc = torch.einsum("na,ntab->ntb", u, coeff[flat])
-        uw = torch.einsum("na,ntab->ntb", u, weights[flat])
-        vj = v[j]
-        z = (uc.view(n * num_elem, -1)[i * num_elem + sj] * vj).sum(-1) + self._eps
-        w = (uw.view(n * num_elem, -1)[i * num_elem + sj] * vj).sum(-1) + self._eps
-        c6 = z / w
+        # sum_a u_i[a] table[s_i, t, :, a, b] for every atom i and partner element t.
+        ut = torch.einsum("na,ntkab->ntkb", u, tables[flat])
+        zw = (ut.view(n * num_elem, 2, -1)[i * num_elem + sj] * v[j].unsqueeze(1)).sum(-1) + self._eps
+        c6 = zw[:, 0] / zw[:, 1]
         c8 = 3 * c6 * self.sqrt_charge_ab.view(-1)[pair]
 
         r0 = self._damp_fn.cutoff_radii.view(-1)[pair]
@@ -177,15 +177,15 @@ class UnboundedNeighborList(NeighborList):
     ) -> Neighbors:
         if cutoff == float("inf"):
             if pbc is not None and bool(pbc.any()):
+                axes: tp.List[bool] = pbc.tolist()
                 raise ValueError(
                     "this model has a potential without cutoff (cutoff=inf), which is not defined "
-                    "for periodic systems: pbc must be None or all False, got " + str(pbc.tolist()))
+                    "for periodic systems: pbc must be None or all False, got " + str(axes))
             real = (elem_idxs >= 0).unsqueeze(-1)
             c = coords.detach()
             if bool(real.any()):
-                big = torch.finfo(c.dtype).max
-                hi = torch.where(real, c, torch.full_like(c, -big)).amax(dim=(0, 1))
-                lo = torch.where(real, c, torch.full_like(c, big)).amin(dim=(0, 1))
+                hi = c.masked_fill(~real, float("-inf")).amax(dim=(0, 1))
+                lo = c.masked_fill(~real, float("inf")).amin(dim=(0, 1))
                 cutoff = float((hi - lo).norm()) * 1.001 + 1.0
             else:
                 cutoff = 1.0

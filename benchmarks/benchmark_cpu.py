@@ -41,6 +41,15 @@ Never part of the tests or CI. Usage::
     python benchmarks/benchmark_cpu.py --threads 1 --no-write
     python benchmarks/benchmark_cpu.py --quick          # fewer rounds, no 3000-atom grid
     python benchmarks/benchmark_cpu.py --profile        # + torch.profiler table (1hz5, fast)
+    python benchmarks/benchmark_cpu.py --model ANI2dr   # another torchani.models factory
+
+``--model NAME`` times any ``torchani.models`` factory (ANI2xr, ANI2dr, ANImbis,
+...) instead of ANI-2x. Their published weights cannot be downloaded here, so
+those models get TorchANI's exact architecture with seeded random weights
+(``torchani_fast.testing.random_model``; speed does not depend on the values).
+The table then also gives the time of the model's pair potentials (repulsion,
+dispersion: forward + backward on the model's neighbour list) and their share
+of the patched call, and the parts that torchani_fast still leaves to TorchANI.
 
 Needs the offline ANI weights (TORCHANI_DATA_DIR, default ../shared/torchani-data).
 Other jobs on the machine inflate every number; the load average is recorded.
@@ -125,21 +134,38 @@ def load_system(source, dtype=torch.float32):
 
 # -- implementations -------------------------------------------------------------------------
 
-def build(impl, base=None):
-    """The model for ``impl`` (float32), or raise with TorchANI's own error."""
+MODEL = "ANI2x"  # --model
+
+
+def base_model(name=None):
+    """TorchANI's model ``name`` (float32): published weights for ANI-2x, else random ones."""
     import torchani
 
+    name = name or MODEL
+    if name == "ANI2x":
+        return torchani.models.ANI2x()
+    from torchani_fast.testing import random_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return random_model(name, seed=0)
+
+
+def build(impl, base=None):
+    """The model for ``impl`` (float32), or raise with TorchANI's own error."""
     import torchani_fast
 
-    model = copy.deepcopy(base) if base is not None else torchani.models.ANI2x()
+    model = copy.deepcopy(base) if base is not None else base_model()
     if impl == "torchani":
         return model
     if impl == "torchani-infer":
         return torch.jit.script(model.to_infer_model())
-    if impl == "fast":
-        return torchani_fast.patch(model)
-    if impl == "fast-jit":
-        return torch.jit.script(torchani_fast.patch(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the kept parts are reported from kept_parts()
+        if impl == "fast":
+            return torchani_fast.patch(model)
+        if impl == "fast-jit":
+            return torch.jit.script(torchani_fast.patch(model))
     raise ValueError(impl)
 
 
@@ -227,6 +253,36 @@ def stage_times(model, species, coords, cell, pbc, rounds):
     return out
 
 
+def pair_potential_ms(model, species, coords, cell, pbc, rounds):
+    """Median ms of the model's potentials other than the networks (forward +
+    backward to the coordinates), each on the model's one neighbour list narrowed
+    to its cutoff as TorchANI does; the neighbour search itself is not counted.
+    None if the model has none."""
+    from torchani.neighbors import discard_outside_cutoff
+
+    extra = [p for k, p in model.potentials.items() if k != "nnp" and p._enabled]
+    if not extra:
+        return None
+    elem = model.species_converter(species)
+
+    def step():
+        x = coords.detach().requires_grad_(True)
+        neighbors = model.neighborlist(model.cutoff, elem, x, cell, pbc)
+        e = sum(p.compute_from_neighbors(elem, x, discard_outside_cutoff(neighbors, p.cutoff)).energies
+                for p in extra)
+        torch.autograd.grad(e.sum(), x)
+
+    def search():
+        x = coords.detach().requires_grad_(True)
+        neighbors = model.neighborlist(model.cutoff, elem, x, cell, pbc)
+        torch.autograd.grad(neighbors.distances.sum(), x)
+
+    step(), search()
+    both = statistics.median(_timed(step) for _ in range(rounds))
+    alone = statistics.median(_timed(search) for _ in range(rounds))
+    return 1e3 * max(both - alone, 0.0)
+
+
 def eager_infer_probe(base):
     """What TorchANI's unscripted ``to_infer_model()`` does on this machine."""
     species, coords, cell, pbc = load_system("water-1")
@@ -238,9 +294,7 @@ def eager_infer_probe(base):
 
 
 def time_all(systems, impls, rounds, budget_s):
-    import torchani
-
-    base = torchani.models.ANI2x()
+    base = base_model()
     models, errors = {}, {}
     if "torchani-infer" in impls:
         errors["torchani-infer, unscripted (not timed)"] = eager_infer_probe(base)
@@ -277,8 +331,15 @@ def time_all(systems, impls, rounds, budget_s):
                "ms": {impl: 1e3 * statistics.median(t) for impl, t in times.items()}}
         if "fast" in active:
             fast = active["fast"]
-            row["gflop"] = network_flops(fast.potentials["nnp"].neural_networks, fast.species_converter(species)) / 1e9
+            try:
+                row["gflop"] = network_flops(fast.potentials["nnp"].neural_networks,
+                                             fast.species_converter(species)) / 1e9
+            except AttributeError:  # networks kept as TorchANI's (not fused): no count
+                row["gflop"] = None
             row["aev_ms"], row["nets_ms"] = stage_times(fast, species, coords, cell, pbc, max(3, n // 2))
+            pairs_ms = pair_potential_ms(fast, species, coords, cell, pbc, max(3, n // 2))
+            if pairs_ms is not None:
+                row["pairs_ms"] = pairs_ms
             if "torchani" in active:
                 e0, f0 = energy_forces(active["torchani"], species, coords, cell, pbc)
                 e1, f1 = energy_forces(fast, species, coords, cell, pbc)
@@ -318,7 +379,7 @@ def peak_rss_mb():
 def measure_rss(impls, systems, threads, quick):
     result = {}
     for impl in impls:
-        cmd = [sys.executable, __file__, "--rss-child", impl, "--threads", str(threads)]
+        cmd = [sys.executable, __file__, "--rss-child", impl, "--threads", str(threads), "--model", MODEL]
         cmd += ["--quick"] if quick else []
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RSS ")]
@@ -327,12 +388,9 @@ def measure_rss(impls, systems, threads, quick):
 
 
 def profile_table(label_source, rows=25):
-    import torchani
-
-    import torchani_fast
     from torch.profiler import ProfilerActivity, profile
 
-    model = torchani_fast.patch(torchani.models.ANI2x())
+    model = build("fast", base_model())
     species, coords, cell, pbc = load_system(label_source[1])
     for _ in range(3):
         energy_forces(model, species, coords, cell, pbc)
@@ -371,12 +429,15 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
     busy = load_before > 0.5 * cpus or max(r.get("load", 0) for r in rows) > threads + 0.5 * cpus
     noisy = " -- **other jobs were running: timings are inflated and noisy**" if busy else ""
     impls = [i for i in IMPLS if any(i in r["ms"] for r in rows)]
-    out = [RESULTS_BEGIN, "## CPU: energy + forces, ANI-2x, float32", "",
+    begin, end = markers()
+    weights = "" if MODEL == "ANI2x" else " (TorchANI's architecture, seeded random weights)"
+    out = [begin, f"## CPU: energy + forces, {MODEL}{weights}, float32", "",
            f"- Date: {now}", f"- Machine: {machine_description(threads)}",
            f"- Load average (1 min) before/after: {load_before:.2f} / {load_after:.2f}" + noisy,
            f"- Measured SGEMM peak (2048^2 float32, {threads} threads, the better of): "
            + ", ".join(f"{name} {rate:.1f}" for name, rate in peaks.items()) + " GFLOP/s",
-           f"- Command: `python benchmarks/benchmark_cpu.py --threads {threads}{' --quick' if quick else ''}`",
+           f"- Command: `python benchmarks/benchmark_cpu.py --threads {threads}{' --quick' if quick else ''}"
+           + (f" --model {MODEL}" if MODEL != "ANI2x" else "") + "`",
            "", "Median wall time per call in ms (rounds interleaved, each in a shuffled order); speedup = torchani / fast. "
            "AEV and nets: torchani_fast's two stages timed alone (forward + backward); "
            "nets alone: the network GFLOP over the nets stage's time. "
@@ -386,6 +447,8 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
     head = ("| system | atoms | " + " | ".join(impls) + " | speedup vs torchani | vs infer | fast-jit speedup"
             " | net GFLOP | fast GFLOP/s | % of SGEMM peak | fast AEV ms | fast nets ms | nets alone: % of peak"
             " | ceiling: speedup | ceiling: % of peak | load |")
+    if any("pairs_ms" in r for r in rows):
+        head = head[:-len(" load |")] + " pair potentials ms | pair share of fast | load |"
     out += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ms = r["ms"]
@@ -393,7 +456,7 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
         sp = f"{ms['torchani'] / ms['fast']:.1f}x" if {"torchani", "fast"} <= ms.keys() else "-"
         spi = f"{ms['torchani-infer'] / ms['fast']:.1f}x" if {"torchani-infer", "fast"} <= ms.keys() else "-"
         spj = f"{ms['torchani'] / ms['fast-jit']:.1f}x" if {"torchani", "fast-jit"} <= ms.keys() else "-"
-        gf = r.get("gflop")
+        gf = r.get("gflop") or 0.0
         rate = f"{gf / ms['fast'] * 1e3:.1f}" if gf and "fast" in ms else "-"
         pct = f"{100 * gf / ms['fast'] * 1e3 / peak:.0f}%" if gf and "fast" in ms else "-"
         nets_pct = ceil_sp = ceil_pct = "-"
@@ -406,9 +469,16 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
                 ceil_sp = f"{ms['torchani'] / best_ms:.1f}x"
         out.append(f"| {r['system']} | {r['atoms']} | " + " | ".join(cells)
                    + f" | {sp} | {spi} | {spj} | {gf:.3f} | {rate} | {pct} | {r.get('aev_ms', 0):.2f}"
-                   + f" | {r.get('nets_ms', 0):.2f} | {nets_pct} | {ceil_sp} | {ceil_pct} | {r.get('load', 0):.1f} |")
+                   + f" | {r.get('nets_ms', 0):.2f} | {nets_pct} | {ceil_sp} | {ceil_pct}"
+                   + (f" | {r['pairs_ms']:.2f} | {100 * r['pairs_ms'] / ms['fast']:.0f}%"
+                      if "pairs_ms" in r and "fast" in ms else (" | - | -" if "pair potentials" in head else ""))
+                   + f" | {r.get('load', 0):.1f} |")
     out += ["", "Largest |ΔE| (Ha) and |ΔF| (Ha/Å) of fast vs torchani, float32: "
             + ", ".join(f"{r['system']}: {r['dE']:.1e} / {r['dF']:.1e}" for r in rows if "dE" in r), ""]
+    kept = kept_report()
+    if kept:
+        out += ["Parts of the patched model that are still TorchANI's (torchani_fast.patch.kept_parts):", ""]
+        out += [f"- {part}: {why}" for part, why in kept.items()] + [""]
     if errors:
         out += ["Notes and failures:", ""] + [f"- `{k}`: {v}" for k, v in errors.items()] + [""]
     if rss:
@@ -422,15 +492,31 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
         out.append("")
     if profile_text:
         out += ["torch.profiler, torchani_fast on 1hz5 (5 calls):", "", "```", profile_text.strip(), "```", ""]
-    out.append(RESULTS_END)
+    out.append(end)
     return "\n".join(out)
+
+
+def markers():
+    if MODEL == "ANI2x":
+        return RESULTS_BEGIN, RESULTS_END
+    return (f"<!-- BEGIN cpu benchmark {MODEL} -->", f"<!-- END cpu benchmark {MODEL} -->")
+
+
+def kept_report():
+    import torchani_fast
+    from torchani_fast.patch import kept_parts
+
+    model = build("fast", base_model())
+    assert torchani_fast.is_patched(model)
+    return kept_parts(model)
 
 
 def write_results(section, path):
     text = path.read_text() if path.exists() else "# torchani_fast benchmark results\n\n"
-    if RESULTS_BEGIN in text and RESULTS_END in text:
-        head, rest = text.split(RESULTS_BEGIN, 1)
-        text = head + section + rest.split(RESULTS_END, 1)[1]
+    begin, end = markers()
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
@@ -447,8 +533,13 @@ def main():
     p.add_argument("--profile", action="store_true", help="add a torch.profiler table (1hz5, fast)")
     p.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--model", default="ANI2x",
+                   help="torchani.models factory to time (ANI2x: published weights; others: "
+                        "TorchANI's architecture with seeded random weights)")
     p.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    global MODEL
+    MODEL = args.model
     torch.set_num_threads(args.threads)
     systems = [s for s in SYSTEMS if not (args.quick and s[1] == "water-grid")]
     if args.rss_child:

@@ -23,7 +23,7 @@ import torch
 import torchani
 import torchani.grad
 from torchani.neighbors import Neighbors, discard_outside_cutoff
-from torchani.potentials import RepulsionXTB, TwoBodyDispersionD3
+from torchani.potentials import TwoBodyDispersionD3
 
 import torchani_fast
 import torchani_fast.models
@@ -33,7 +33,7 @@ from torchani_fast.patch import kept_parts
 from torchani_fast.potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList
 from torchani_fast.testing import random_model
 
-from conftest import MOLECULES, energy_forces, read_molecule
+from conftest import energy_forces, read_molecule
 
 FACTORIES = ["ANI1x", "ANI2x", "ANI1ccx", "ANI1xnr", "ANI2xr", "ANI2dr", "ANImbis", "ANIr2s",
              "ANIr2s_water", "ANIr2s_ch3cn", "ANIr2s_chcl3", "SnnANI2xr"]
@@ -422,7 +422,12 @@ def test_ensemble_entry_points():
                                rtol=1e-10, atol=0)
 
 
-@pytest.mark.parametrize("name", ["ANI2dr", "ANImbis", "ANIr2s"])
+# ANIr2s first: in one process, scripting an ANI-2dr before an ANIr2s makes the
+# scripted ANIr2s' energy wrong by ~0.01 Ha -- stock TorchANI's models alike
+# (torch.jit.script(torchani ANI2dr) then torch.jit.script(torchani ANIr2s)),
+# whereas each of its potentials, scripted, gives the eager value. Not ours to fix
+# here; see the pairpot report.
+@pytest.mark.parametrize("name", ["ANIr2s", "ANI2dr", "ANImbis"])
 def test_torchscript_save_load(name, tmp_path):
     ref, fast = pair(name)
     species, coords = molecule(ref, 14)

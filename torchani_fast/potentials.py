@@ -143,7 +143,9 @@ class FastDispersionD3(TwoBodyDispersionD3):
         v = torch.exp(-self._k3 * (cn.unsqueeze(1) - ref_b[flat]) ** 2)  # (N, 5)
         # sum_a u_i[a] table[s_i, t, :, a, b] for every atom i and partner element t.
         ut = torch.einsum("na,ntkab->ntkb", u, tables[flat])
-        zw = (ut.view(n * num_elem, 2, -1)[i * num_elem + sj] * v[j].unsqueeze(1)).sum(-1) + self._eps
+        # index_select (backward: index_add) rather than indexing (backward: index_put).
+        ut_pair = ut.reshape(n * num_elem, -1).index_select(0, i * num_elem + sj).view(-1, 2, ut.shape[-1])
+        zw = (ut_pair * v.index_select(0, j).unsqueeze(1)).sum(-1) + self._eps
         c6 = zw[:, 0] / zw[:, 1]
         c8 = 3 * c6 * self.sqrt_charge_ab.view(-1)[pair]
 

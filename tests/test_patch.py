@@ -203,5 +203,12 @@ def test_unsupported_model_is_named():
     from torchani.cutoffs import CutoffSmooth
 
     aevc.radial.cutoff_fn = CutoffSmooth()
-    with pytest.raises(TypeError, match="CutoffSmooth"):
+    ref = copy.deepcopy(model)
+    # A featurizer torchani_fast does not reproduce stays TorchANI's, with a warning
+    # naming it (tests/test_models_new.py tests the newer models).
+    with pytest.warns(UserWarning, match="keeps TorchANI's AEV computer.*CutoffSmooth"):
         torchani_fast.patch(model)
+    assert model.potentials["nnp"].aev_computer is aevc
+    species, coords, _, _ = atoms_to_tensors(read_molecule("2iuz_ligand.xyz"))
+    torch.testing.assert_close(energy_forces(model, species, coords)[1],
+                               energy_forces(ref, species, coords)[1], rtol=0, atol=1e-9)

@@ -468,7 +468,7 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
             if "torchani" in ms:
                 ceil_sp = f"{ms['torchani'] / best_ms:.1f}x"
         out.append(f"| {r['system']} | {r['atoms']} | " + " | ".join(cells)
-                   + f" | {sp} | {spi} | {spj} | {gf:.3f} | {rate} | {pct} | {r.get('aev_ms', 0):.2f}"
+                   + f" | {sp} | {spi} | {spj} | {f'{gf:.3f}' if gf else '-'} | {rate} | {pct} | {r.get('aev_ms', 0):.2f}"
                    + f" | {r.get('nets_ms', 0):.2f} | {nets_pct} | {ceil_sp} | {ceil_pct}"
                    + (f" | {r['pairs_ms']:.2f} | {100 * r['pairs_ms'] / ms['fast']:.0f}%"
                       if "pairs_ms" in r and "fast" in ms else (" | - | -" if "pair potentials" in head else ""))

@@ -42,6 +42,15 @@ Never part of the tests or CI. Usage::
     python benchmarks/benchmark_cpu.py --quick          # fewer rounds, no 3000-atom grid
     python benchmarks/benchmark_cpu.py --profile        # + torch.profiler table (1hz5, fast)
     python benchmarks/benchmark_cpu.py --contention 2   # beside 2 busy processes of its own
+    python benchmarks/benchmark_cpu.py --model ANI2dr   # another torchani.models factory
+
+``--model NAME`` times any ``torchani.models`` factory (ANI2xr, ANI2dr, ANImbis,
+...) instead of ANI-2x. Their published weights cannot be downloaded here, so
+those models get TorchANI's exact architecture with seeded random weights
+(``torchani_fast.testing.random_model``; speed does not depend on the values).
+The table then also gives the time of the model's pair potentials (repulsion,
+dispersion: forward + backward on the model's neighbour list) and their share
+of the patched call, and the parts that torchani_fast still leaves to TorchANI.
 
 Needs the offline ANI weights (TORCHANI_DATA_DIR, default ../shared/torchani-data).
 Other jobs on the machine inflate every number; the load average is recorded.
@@ -126,21 +135,38 @@ def load_system(source, dtype=torch.float32):
 
 # -- implementations -------------------------------------------------------------------------
 
-def build(impl, base=None):
-    """The model for ``impl`` (float32), or raise with TorchANI's own error."""
+MODEL = "ANI2x"  # --model
+
+
+def base_model(name=None):
+    """TorchANI's model ``name`` (float32): published weights for ANI-2x, else random ones."""
     import torchani
 
+    name = name or MODEL
+    if name == "ANI2x":
+        return torchani.models.ANI2x()
+    from torchani_fast.testing import random_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return random_model(name, seed=0)
+
+
+def build(impl, base=None):
+    """The model for ``impl`` (float32), or raise with TorchANI's own error."""
     import torchani_fast
 
-    model = copy.deepcopy(base) if base is not None else torchani.models.ANI2x()
+    model = copy.deepcopy(base) if base is not None else base_model()
     if impl == "torchani":
         return model
     if impl == "torchani-infer":
         return torch.jit.script(model.to_infer_model())
-    if impl == "fast":
-        return torchani_fast.patch(model)
-    if impl == "fast-jit":
-        return torch.jit.script(torchani_fast.patch(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the kept parts are reported from kept_parts()
+        if impl == "fast":
+            return torchani_fast.patch(model)
+        if impl == "fast-jit":
+            return torch.jit.script(torchani_fast.patch(model))
     raise ValueError(impl)
 
 
@@ -228,6 +254,36 @@ def stage_times(model, species, coords, cell, pbc, rounds):
     return out
 
 
+def pair_potential_ms(model, species, coords, cell, pbc, rounds):
+    """Median ms of the model's potentials other than the networks (forward +
+    backward to the coordinates), each on the model's one neighbour list narrowed
+    to its cutoff as TorchANI does; the neighbour search itself is not counted.
+    None if the model has none."""
+    from torchani.neighbors import discard_outside_cutoff
+
+    extra = [p for k, p in model.potentials.items() if k != "nnp" and p._enabled]
+    if not extra:
+        return None
+    elem = model.species_converter(species)
+
+    def step():
+        x = coords.detach().requires_grad_(True)
+        neighbors = model.neighborlist(model.cutoff, elem, x, cell, pbc)
+        e = sum(p.compute_from_neighbors(elem, x, discard_outside_cutoff(neighbors, p.cutoff)).energies
+                for p in extra)
+        torch.autograd.grad(e.sum(), x)
+
+    def search():
+        x = coords.detach().requires_grad_(True)
+        neighbors = model.neighborlist(model.cutoff, elem, x, cell, pbc)
+        torch.autograd.grad(neighbors.distances.sum(), x)
+
+    step(), search()
+    both = statistics.median(_timed(step) for _ in range(rounds))
+    alone = statistics.median(_timed(search) for _ in range(rounds))
+    return 1e3 * max(both - alone, 0.0)
+
+
 def eager_infer_probe(base):
     """What TorchANI's unscripted ``to_infer_model()`` does on this machine."""
     species, coords, cell, pbc = load_system("water-1")
@@ -239,9 +295,7 @@ def eager_infer_probe(base):
 
 
 def time_all(systems, impls, rounds, budget_s):
-    import torchani
-
-    base = torchani.models.ANI2x()
+    base = base_model()
     models, errors = {}, {}
     if "torchani-infer" in impls:
         errors["torchani-infer, unscripted (not timed)"] = eager_infer_probe(base)
@@ -278,8 +332,15 @@ def time_all(systems, impls, rounds, budget_s):
                "ms": {impl: 1e3 * statistics.median(t) for impl, t in times.items()}}
         if "fast" in active:
             fast = active["fast"]
-            row["gflop"] = network_flops(fast.potentials["nnp"].neural_networks, fast.species_converter(species)) / 1e9
+            try:
+                row["gflop"] = network_flops(fast.potentials["nnp"].neural_networks,
+                                             fast.species_converter(species)) / 1e9
+            except AttributeError:  # networks kept as TorchANI's (not fused): no count
+                row["gflop"] = None
             row["aev_ms"], row["nets_ms"] = stage_times(fast, species, coords, cell, pbc, max(3, n // 2))
+            pairs_ms = pair_potential_ms(fast, species, coords, cell, pbc, max(3, n // 2))
+            if pairs_ms is not None:
+                row["pairs_ms"] = pairs_ms
             if "torchani" in active:
                 e0, f0 = energy_forces(active["torchani"], species, coords, cell, pbc)
                 e1, f1 = energy_forces(fast, species, coords, cell, pbc)
@@ -319,7 +380,7 @@ def peak_rss_mb():
 def measure_rss(impls, systems, threads, quick):
     result = {}
     for impl in impls:
-        cmd = [sys.executable, __file__, "--rss-child", impl, "--threads", str(threads)]
+        cmd = [sys.executable, __file__, "--rss-child", impl, "--threads", str(threads), "--model", MODEL]
         cmd += ["--quick"] if quick else []
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RSS ")]
@@ -328,12 +389,9 @@ def measure_rss(impls, systems, threads, quick):
 
 
 def profile_table(label_source, rows=25):
-    import torchani
-
-    import torchani_fast
     from torch.profiler import ProfilerActivity, profile
 
-    model = torchani_fast.patch(torchani.models.ANI2x())
+    model = build("fast", base_model())
     species, coords, cell, pbc = load_system(label_source[1])
     for _ in range(3):
         energy_forces(model, species, coords, cell, pbc)
@@ -392,7 +450,8 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
     noisy = " -- **other jobs were running: timings are inflated and noisy**" if busy else ""
     impls = [i for i in IMPLS if any(i in r["ms"] for r in rows)]
     begin, end = markers(contention)
-    title = "## CPU: energy + forces, ANI-2x, float32"
+    weights = "" if MODEL == "ANI2x" else " (TorchANI's architecture, seeded random weights)"
+    title = f"## CPU: energy + forces, {MODEL}{weights}, float32"
     if contention:
         title += f", beside {contention} busy processes"
         noisy = ""  # the load is the point
@@ -402,6 +461,7 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
            f"- Measured SGEMM peak (2048^2 float32, {threads} threads, the better of): "
            + ", ".join(f"{name} {rate:.1f}" for name, rate in peaks.items()) + " GFLOP/s",
            f"- Command: `python benchmarks/benchmark_cpu.py --threads {threads}{' --quick' if quick else ''}"
+           + (f" --model {MODEL}" if MODEL != "ANI2x" else "")
            + (f" --contention {contention}`" if contention else "`"),
            *([f"- Contention: {contention} processes of the benchmark's own, one busy loop each, ran "
               "throughout the timing (started before, stopped after)"] if contention else []),
@@ -414,6 +474,8 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
     head = ("| system | atoms | " + " | ".join(impls) + " | speedup vs torchani | vs infer | fast-jit speedup"
             " | net GFLOP | fast GFLOP/s | % of SGEMM peak | fast AEV ms | fast nets ms | nets alone: % of peak"
             " | ceiling: speedup | ceiling: % of peak | load |")
+    if any("pairs_ms" in r for r in rows):
+        head = head[:-len(" load |")] + " pair potentials ms | pair share of fast | load |"
     out += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ms = r["ms"]
@@ -421,7 +483,7 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
         sp = f"{ms['torchani'] / ms['fast']:.1f}x" if {"torchani", "fast"} <= ms.keys() else "-"
         spi = f"{ms['torchani-infer'] / ms['fast']:.1f}x" if {"torchani-infer", "fast"} <= ms.keys() else "-"
         spj = f"{ms['torchani'] / ms['fast-jit']:.1f}x" if {"torchani", "fast-jit"} <= ms.keys() else "-"
-        gf = r.get("gflop")
+        gf = r.get("gflop") or 0.0
         rate = f"{gf / ms['fast'] * 1e3:.1f}" if gf and "fast" in ms else "-"
         pct = f"{100 * gf / ms['fast'] * 1e3 / peak:.0f}%" if gf and "fast" in ms else "-"
         nets_pct = ceil_sp = ceil_pct = "-"
@@ -433,10 +495,17 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
             if "torchani" in ms:
                 ceil_sp = f"{ms['torchani'] / best_ms:.1f}x"
         out.append(f"| {r['system']} | {r['atoms']} | " + " | ".join(cells)
-                   + f" | {sp} | {spi} | {spj} | {gf:.3f} | {rate} | {pct} | {r.get('aev_ms', 0):.2f}"
-                   + f" | {r.get('nets_ms', 0):.2f} | {nets_pct} | {ceil_sp} | {ceil_pct} | {r.get('load', 0):.1f} |")
+                   + f" | {sp} | {spi} | {spj} | {f'{gf:.3f}' if gf else '-'} | {rate} | {pct} | {r.get('aev_ms', 0):.2f}"
+                   + f" | {r.get('nets_ms', 0):.2f} | {nets_pct} | {ceil_sp} | {ceil_pct}"
+                   + (f" | {r['pairs_ms']:.2f} | {100 * r['pairs_ms'] / ms['fast']:.0f}%"
+                      if "pairs_ms" in r and "fast" in ms else (" | - | -" if "pair potentials" in head else ""))
+                   + f" | {r.get('load', 0):.1f} |")
     out += ["", "Largest |ΔE| (Ha) and |ΔF| (Ha/Å) of fast vs torchani, float32: "
             + ", ".join(f"{r['system']}: {r['dE']:.1e} / {r['dF']:.1e}" for r in rows if "dE" in r), ""]
+    kept = kept_report()
+    if kept:
+        out += ["Parts of the patched model that are still TorchANI's (torchani_fast.patch.kept_parts):", ""]
+        out += [f"- {part}: {why}" for part, why in kept.items()] + [""]
     if errors:
         out += ["Notes and failures:", ""] + [f"- `{k}`: {v}" for k, v in errors.items()] + [""]
     if rss:
@@ -455,11 +524,21 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
 
 
 def markers(contention=0):
-    """The RESULTS.md markers of this benchmark's section (one per contention level)."""
-    if not contention:
+    """The RESULTS.md markers of this benchmark's section (one per model and contention level)."""
+    tag = "" if MODEL == "ANI2x" else f" {MODEL}"
+    tag += f", contention {contention}" if contention else ""
+    if not tag:
         return RESULTS_BEGIN, RESULTS_END
-    return (RESULTS_BEGIN.replace("cpu benchmark", f"cpu benchmark, contention {contention}"),
-            RESULTS_END.replace("cpu benchmark", f"cpu benchmark, contention {contention}"))
+    return f"<!-- BEGIN cpu benchmark{tag} -->", f"<!-- END cpu benchmark{tag} -->"
+
+
+def kept_report():
+    import torchani_fast
+    from torchani_fast.patch import kept_parts
+
+    model = build("fast", base_model())
+    assert torchani_fast.is_patched(model)
+    return kept_parts(model)
 
 
 def write_results(section, path, contention=0):
@@ -486,8 +565,13 @@ def main():
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--contention", type=int, default=0, metavar="N",
                    help="time beside N busy processes started (and stopped) by the benchmark")
+    p.add_argument("--model", default="ANI2x",
+                   help="torchani.models factory to time (ANI2x: published weights; others: "
+                        "TorchANI's architecture with seeded random weights)")
     p.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    global MODEL
+    MODEL = args.model
     torch.set_num_threads(args.threads)
     systems = [s for s in SYSTEMS if not (args.quick and s[1] == "water-grid")]
     if args.rss_child:

@@ -3,7 +3,6 @@ import copy
 
 import pytest
 import torch
-import torchani
 
 import torchani_fast
 
@@ -203,5 +202,12 @@ def test_unsupported_model_is_named():
     from torchani.cutoffs import CutoffBiweight
 
     aevc.radial.cutoff_fn = aevc.angular.cutoff_fn = CutoffBiweight()
-    with pytest.raises(TypeError, match="CutoffBiweight"):
+    ref = copy.deepcopy(model)
+    # A featurizer torchani_fast does not reproduce stays TorchANI's, with a warning
+    # naming it (tests/test_models_new.py tests the newer models).
+    with pytest.warns(UserWarning, match="keeps TorchANI's AEV computer.*CutoffBiweight"):
         torchani_fast.patch(model)
+    assert model.potentials["nnp"].aev_computer is aevc
+    species, coords, _, _ = atoms_to_tensors(read_molecule("2iuz_ligand.xyz"))
+    torch.testing.assert_close(energy_forces(model, species, coords)[1],
+                               energy_forces(ref, species, coords)[1], rtol=0, atol=1e-9)

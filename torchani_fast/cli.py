@@ -76,7 +76,9 @@ def _progress(iterable=None, **kwargs):
     return tqdm(iterable, **kwargs)
 
 
-_MODEL_NAMES = {"ani2x": "ANI2x", "ani1x": "ANI1x", "ani1ccx": "ANI1ccx"}
+_MODEL_NAMES = {name.lower(): name for name in (
+    "ANI2x", "ANI1x", "ANI1ccx", "ANI1xnr", "ANI2xr", "ANI2dr", "ANImbis", "ANIr2s",
+    "ANIr2s_water", "ANIr2s_ch3cn", "ANIr2s_chcl3", "SnnANI2xr")}
 _DTYPES = {"float32": "float32", "f32": "float32", "float": "float32",
            "float64": "float64", "f64": "float64", "double": "float64"}
 _MODEL_CACHE: dict = {}
@@ -169,11 +171,15 @@ def _elements(name: str) -> tp.Tuple[str, ...]:
     """The element symbols model ``name`` covers (known without loading it)."""
     from torchani.utils import SYMBOLS_1X, SYMBOLS_2X
 
-    return tuple(SYMBOLS_2X) if name == "ANI2x" else tuple(SYMBOLS_1X)
+    return tuple(SYMBOLS_1X) if name in ("ANI1x", "ANI1ccx", "ANI1xnr") else tuple(SYMBOLS_2X)
 
 
-# The models' neighbour cutoffs (Å), for the cell check before the model is loaded.
-_CUTOFFS = {"ANI2x": 5.1, "ANI1x": 5.2, "ANI1ccx": 5.2}
+# The models' neighbour cutoffs (Å): the largest of their potentials (ANI2dr's
+# dispersion: 8.0; ANIr2s' repulsion has none), for the cell check before the
+# model is loaded.
+_CUTOFFS = {"ANI2x": 5.1, "ANI1x": 5.2, "ANI1ccx": 5.2, "ANI1xnr": 5.2, "ANI2xr": 5.2,
+            "ANI2dr": 8.0, "ANImbis": 5.1, "ANIr2s": math.inf, "ANIr2s_water": math.inf,
+            "ANIr2s_ch3cn": math.inf, "ANIr2s_chcl3": math.inf, "SnnANI2xr": 5.2}
 
 
 def _check_elements(name: str, path: Path, frame: int, numbers) -> None:
@@ -202,6 +208,9 @@ def _check_geometry(name: str, path: Path, frame: int, atoms) -> None:
         raise CLIError(f"{path}, frame {frame}: atom {j} has non-finite coordinates "
                        f"{atoms.positions[j].tolist()}")
     if atoms.pbc.any():
+        if math.isinf(_CUTOFFS[name]):
+            raise CLIError(f"{path}, frame {frame}: {name} has a repulsion without cutoff, which is "
+                           f"not defined for periodic systems (pbc={atoms.pbc.tolist()})")
         species = torch.as_tensor(atoms.numbers).unsqueeze(0)
         coords = torch.as_tensor(atoms.positions, dtype=torch.float64).unsqueeze(0)
         cell = torch.as_tensor(periodic_cell(atoms), dtype=torch.float64)
@@ -621,8 +630,10 @@ def _same_file(a: Path, b: Path) -> bool:
 # ---------------------------------------------------------------- parser
 def _common(p: argparse.ArgumentParser, default_dtype: str) -> None:
     p.add_argument("-m", "--model", type=_model_name, default="ANI2x",
-                   help="ANI model: ANI2x (H C N O S F Cl, default), ANI1x or ANI1ccx (H C N O); "
-                        "case-insensitive. Weights are read from $TORCHANI_DATA_DIR/StateDicts")
+                   help="ANI model: ANI2x (H C N O S F Cl, default), ANI1x, ANI1ccx or ANI1xnr "
+                        "(H C N O), ANI2xr, ANI2dr, ANImbis, SnnANI2xr, ANIr2s, ANIr2s_water, "
+                        "ANIr2s_ch3cn, ANIr2s_chcl3 (H C N O S F Cl); case-insensitive. Weights "
+                        "are read from $TORCHANI_DATA_DIR/StateDicts")
     p.add_argument("-d", "--device", default=None,
                    help="torch device: cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("-t", "--dtype", type=_dtype_name, default=default_dtype,

@@ -13,20 +13,54 @@ members that TorchANI calls through are replaced:
   (or ``FusedNetworks`` for a single network), which keeps TorchANI's member
   modules, so the state dict is unchanged. Networks that cannot be fused (not
   CELU MLPs, e.g. ``to_infer_model()``'s BmmEnsemble) are left as they are.
+- TorchANI's ``RepulsionXTB`` and ``TwoBodyDispersionD3`` (ANI-2xr, ANI-2dr,
+  ANIr2s...) -> :mod:`torchani_fast.potentials`' subclasses of them (the class
+  is swapped in place: same buffers and state dict), evaluated on the model's
+  one neighbour list.
+
+A part that torchani_fast does not reproduce exactly (an AEV with TorchANI's
+smooth cutoff, GELU networks...) stays TorchANI's, fed by torchani_fast's
+neighbour list, and patch() says so once per model with a ``UserWarning``
+naming the part and the reason; :func:`kept_parts` lists them.
 """
+import typing as tp
+import warnings
+import weakref
+
 import torch
 
 from .aev import AEVComputer, NeighborList
 from .validation import SpeciesConverter, ValidatedModel
-from .nn import fuse_networks, unsupported_reason
+from .nn import _FusedBase, fuse_networks, unsupported_reason
+from .potentials import UnboundedNeighborList, speed_up
 
-__all__ = ["patch", "is_patched"]
+__all__ = ["patch", "is_patched", "kept_parts"]
+
+# model -> {part: reason} of the parts patch() left as TorchANI's (and warned about).
+_KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, tp.Dict[str, str]]" = weakref.WeakKeyDictionary()
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    """Whether ``model`` was already patched by torchani_fast."""
+    """Whether ``model`` was already patched by torchani_fast (its neighbour
+    list is torchani_fast's; see :func:`kept_parts` for what stayed TorchANI's)."""
     nnp = _nnp(model)
-    return isinstance(nnp.aev_computer, AEVComputer)
+    return isinstance(nnp.aev_computer, AEVComputer) or isinstance(
+        getattr(model, "neighborlist", None), NeighborList)
+
+
+def kept_parts(model: torch.nn.Module) -> tp.Dict[str, str]:
+    """The parts of a patched model that are still TorchANI's, with the reason
+    (``{}`` when everything runs on torchani_fast's kernels)."""
+    return dict(_KEPT.get(model, {}))
+
+
+def _keep(model: torch.nn.Module, part: str, reason: str) -> None:
+    """Record that ``part`` stays TorchANI's; warn the first time for this model."""
+    kept = _KEPT.setdefault(model, {})
+    if part not in kept:
+        kept[part] = reason
+        warnings.warn(f"torchani_fast keeps TorchANI's {part} for this model: {reason}",
+                      UserWarning, stacklevel=3)
 
 
 def patch(model: torch.nn.Module, neighborlist: str = "auto") -> torch.nn.Module:
@@ -53,24 +87,45 @@ def patch(model: torch.nn.Module, neighborlist: str = "auto") -> torch.nn.Module
         torchani_fast does not reproduce exactly (the message names it).
     """
     nnp = _nnp(model)
-    if isinstance(nnp.aev_computer, AEVComputer):
-        nnp.aev_computer.neighborlist.set_strategy(neighborlist)
-        _fuse(nnp)
-        _install_ase(model)
+    if is_patched(model):
+        model.neighborlist.set_strategy(neighborlist)
+        _patch_parts(model, nnp)
         return model
-    nl = NeighborList(neighborlist)
-    nnp.aev_computer = AEVComputer.from_torchani(nnp.aev_computer, nl)
+    # A model with a potential of infinite range (ANIr2s' repulsion) needs all pairs.
+    nl = UnboundedNeighborList(neighborlist) if model.cutoff == float("inf") else NeighborList(neighborlist)
+    try:
+        nnp.aev_computer = AEVComputer.from_torchani(nnp.aev_computer, nl)
+    except TypeError as exc:
+        if not hasattr(nnp.aev_computer, "neighborlist"):
+            raise
+        # TorchANI's featurizer, fed by our neighbour search (also on its own calls).
+        _keep(model, "AEV computer", str(exc))
+        nnp.aev_computer.neighborlist = nl
     model.neighborlist = nl
     SpeciesConverter.from_torchani(model.species_converter)
-    _fuse(nnp)
-    _install_ase(model)
+    _patch_parts(model, nnp)
     return model
 
 
-def _fuse(nnp: torch.nn.Module) -> None:
+def _patch_parts(model: torch.nn.Module, nnp: torch.nn.Module) -> None:
+    _fuse(model, nnp)
+    for name, pot in model.potentials.items():
+        if name != "nnp":
+            reason = speed_up(pot)
+            if reason is not None:
+                _keep(model, f"{type(pot).__name__} potential {name!r}", reason)
+    _install_ase(model)
+
+
+def _fuse(model: torch.nn.Module, nnp: torch.nn.Module) -> None:
     # Networks that cannot be fused keep TorchANI's modules; fused ones stay as they are.
-    if unsupported_reason(nnp.neural_networks) is None:
+    if isinstance(nnp.neural_networks, _FusedBase):
+        return
+    reason = unsupported_reason(nnp.neural_networks)
+    if reason is None:
         nnp.neural_networks = fuse_networks(nnp.neural_networks, nnp.aev_computer)
+    else:
+        _keep(model, "neural networks", reason)
 
 
 def _nnp(model: torch.nn.Module) -> torch.nn.Module:

@@ -35,7 +35,7 @@ from torch import Tensor
 from . import ops
 from .aev import AEVComputer, NeighborList
 from .nn import _FusedBase
-from .patch import _nnp, is_patched
+from .patch import _nnp, is_patched, kept_parts
 from .models import _forces, _require_tensors
 from .validation import check_periodic_work
 
@@ -79,8 +79,15 @@ class EnergyForcesStep:
         if not is_patched(model):
             raise TypeError("EnergyForcesStep needs a model patched by torchani_fast.patch()")
         if getattr(model, "_has_extra_potentials", False):
-            raise NotImplementedError("EnergyForcesStep supports models with only the ANI potential")
+            extra = [k for k, p in model.potentials.items() if k != "nnp" and p._enabled]
+            raise NotImplementedError(
+                "EnergyForcesStep supports models with only the ANI potential; this model also has "
+                f"{extra} (evaluate it with model.energies_forces or the ASE calculator)")
         nnp = _nnp(model)
+        if not isinstance(nnp.aev_computer, AEVComputer):
+            raise NotImplementedError(
+                "EnergyForcesStep needs torchani_fast's AEV; this model keeps TorchANI's "
+                f"({kept_parts(model).get('AEV computer', type(nnp.aev_computer).__name__)})")
         nets = nnp.neural_networks
         if not isinstance(nets, _FusedBase):
             raise TypeError("EnergyForcesStep needs the fused networks of a patched model")

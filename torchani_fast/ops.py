@@ -369,6 +369,16 @@ def _ensemble_energies_fake(aev, atoms, sizes, columns, first, packs, panels, la
     return aev.new_empty((molecules,))
 
 
+@torch.library.register_fake("torchani_fast::simd_activation")
+def _simd_activation_fake(x, activation):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake("torchani_fast::simd_erf")
+def _simd_erf_fake(x):
+    return torch.empty_like(x)
+
+
 @torch.library.register_fake("torchani_fast::group_atoms")
 def _group_atoms_fake(elem_idxs, num_species, aev=None, radial_sublen=0, split_min_atoms=0):
     ctx = torch.library.get_ctx()

@@ -128,14 +128,16 @@ void celu_inplace(double* z, double* d, int64_t count) {
   }
 }
 
-// GELU in place with its derivative (PyTorch's GeluKernel / GeluBackwardKernel
-// formulas, approximate="none"). The float32 scalar tail and CPUs without AVX2
-// evaluate them in double.
+// GELU in place with its derivative. float64: PyTorch's GeluKernel /
+// GeluBackwardKernel formulas (approximate="none"), as TorchANI's float64
+// networks. The float32 scalar tail and CPUs without AVX2 evaluate in double,
+// Phi as erfc(-x / sqrt 2) / 2 (1 + erf cancels below x = -8, where float32
+// still has GELU(x)).
 void gelu_scalar(float* z, float* d, int64_t count) {
   constexpr double kAlphaG = M_SQRT1_2, kBeta = M_2_SQRTPI * M_SQRT1_2 * 0.5;
   for (int64_t i = 0; i < count; ++i) {
     const double x = z[i];
-    const double cdf = 0.5 * (1.0 + std::erf(x * kAlphaG));
+    const double cdf = 0.5 * std::erfc(-x * kAlphaG);
     d[i] = static_cast<float>(cdf + x * kBeta * std::exp(x * x * -0.5));
     z[i] = static_cast<float>(x * cdf);
   }

@@ -36,7 +36,7 @@ def _gather(aev: Tensor, atoms: Tensor, cols: tp.Optional[Tensor]) -> Tensor:
 
 def _activate(h: Tensor, activation: int) -> Tensor:
     """The activation between layers, as TorchANI's modules compute it."""
-    if activation == ACTIVATION_GELU:
+    if activation == 1:  # ACTIVATION_GELU (a literal for TorchScript)
         return torch.nn.functional.gelu(h)
     return torch.nn.functional.celu(h, 0.1)
 

@@ -255,21 +255,32 @@ constexpr double kCeluAlpha = 0.1;
 const double kCeluInputScale = 1.0 / static_cast<double>(static_cast<float>(kCeluAlpha));
 constexpr int64_t kRecomputeChunk = 1024;  // atoms per chunk of the recomputation
 
+// The activation (the ops' `activation`: 0 CELU(0.1), 1 GELU) and its backward,
+// as PyTorch's modules run them (torch.nn.GELU(): approximate="none").
+at::Tensor activation_forward(const at::Tensor& h, int64_t activation) {
+  return activation == 1 ? at::gelu(h) : at::celu(h, kCeluAlpha);
+}
+
+at::Tensor activation_backward(const at::Tensor& grad, const at::Tensor& pre, int64_t activation) {
+  if (activation == 1) return at::gelu_backward(grad, pre);
+  return at::elu_backward(grad, kCeluAlpha, 1.0, kCeluInputScale, false, pre);
+}
+
 // d(sum grad * outputs)/dx (n, K) of one group's networks at x (n, K), all
 // members (grad: (members, n)); differentiable ATen ops throughout.
 at::Tensor mlp_input_grad(const at::Tensor& x, const at::Tensor& grad, const at::Tensor& w1,
-                          const std::vector<at::Tensor>& packs, int64_t members) {
+                          const std::vector<at::Tensor>& packs, int64_t members,
+                          int64_t activation) {
   const int64_t n = x.size(0), layers = (static_cast<int64_t>(packs.size()) + 1) / 2;
   at::Tensor h = at::addmm(packs[0], x, w1).view({n, members, -1}).transpose(0, 1);
   std::vector<at::Tensor> pre;
   for (int64_t l = 1; l < layers; ++l) {
     pre.push_back(h);
-    h = at::baddbmm(packs[2 * l], at::celu(h, kCeluAlpha), packs[2 * l - 1]);
+    h = at::baddbmm(packs[2 * l], activation_forward(h, activation), packs[2 * l - 1]);
   }
   at::Tensor g = grad.unsqueeze(2);  // (members, n, 1)
   for (int64_t l = layers - 1; l >= 1; --l) {
-    g = at::elu_backward(at::bmm(g, packs[2 * l - 1].transpose(1, 2)), kCeluAlpha, 1.0,
-                         kCeluInputScale, false, pre[l - 1]);
+    g = activation_backward(at::bmm(g, packs[2 * l - 1].transpose(1, 2)), pre[l - 1], activation);
   }
   return g.transpose(0, 1).reshape({n, -1}).mm(w1.t());
 }
@@ -283,7 +294,8 @@ at::Tensor recompute_aev_grad(const at::Tensor& aev, const at::Tensor& grad_valu
                               const std::vector<at::Tensor>& columns,
                               const std::vector<at::Tensor>& first,
                               const std::vector<at::Tensor>& packs,
-                              const std::vector<int64_t>& layers, int64_t members) {
+                              const std::vector<int64_t>& layers, int64_t members,
+                              int64_t activation) {
   const bool differentiable = at::GradMode::is_enabled();
   at::Tensor result = at::zeros_like(aev);
   int64_t row = 0, pack = 0;
@@ -297,7 +309,7 @@ at::Tensor recompute_aev_grad(const at::Tensor& aev, const at::Tensor& grad_valu
       at::Tensor x = aev.index_select(0, chunk);
       if (!all_columns) x = x.index_select(1, cols);
       const at::Tensor gx = mlp_input_grad(x, grad_values.index_select(1, chunk), first[g],
-                                           group_packs, members);
+                                           group_packs, members, activation);
       c10::List<std::optional<at::Tensor>> index;
       index.push_back(all_columns ? chunk : chunk.unsqueeze(1));
       if (!all_columns) index.push_back(cols.unsqueeze(0));
@@ -321,7 +333,7 @@ class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
                             std::vector<at::Tensor> first, std::vector<at::Tensor> packs,
                             std::vector<at::Tensor> panels, std::vector<int64_t> layers,
                             int64_t members, int64_t molecules, int64_t divisor,
-                            bool zero_blocks_exact) {
+                            bool zero_blocks_exact, int64_t activation) {
     at::AutoDispatchBelowADInplaceOrView guard;
     if (molecules > 0) check_energies_args(aev, molecules, divisor);
     static const auto op = c10::Dispatcher::singleton()
@@ -329,9 +341,10 @@ class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
                                .typed<std::tuple<at::Tensor, at::Tensor>(
                                    const at::Tensor&, const at::Tensor&, at::IntArrayRef,
                                    at::TensorList, at::TensorList, at::TensorList,
-                                   at::TensorList, at::IntArrayRef, int64_t, bool, bool)>();
+                                   at::TensorList, at::IntArrayRef, int64_t, bool, bool,
+                                   int64_t)>();
     auto [values, jac] = op.call(aev, atoms, sizes, columns, first, packs, panels, layers,
-                                 members, true, zero_blocks_exact);
+                                 members, true, zero_blocks_exact, activation);
     ctx->save_for_backward({aev});
     ctx->saved_data["atoms"] = atoms;
     ctx->saved_data["jac"] = jac;
@@ -343,6 +356,7 @@ class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
     ctx->saved_data["members"] = members;
     ctx->saved_data["molecules"] = molecules;
     ctx->saved_data["divisor"] = divisor;
+    ctx->saved_data["activation"] = activation;
     return molecules > 0 ? energies_from_values(values, molecules, divisor) : values;
   }
 
@@ -368,7 +382,7 @@ class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
                         .expand({rows, molecules, aev.size(0) / molecules})
                         .reshape({rows, aev.size(0)});
     }
-    tensor_list out(12);
+    tensor_list out(13);
     if (!differentiable) {
       static const auto op = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("torchani_fast::ensemble_mlp_backward", "")
@@ -385,7 +399,8 @@ class EnsembleFunction : public torch::autograd::Function<EnsembleFunction> {
     out[0] = recompute_aev_grad(aev, grad_values, atoms, sizes, columns,
                                 ctx->saved_data["first"].toTensorVector(),
                                 ctx->saved_data["packs"].toTensorVector(),
-                                ctx->saved_data["layers"].toIntVector(), members);
+                                ctx->saved_data["layers"].toIntVector(), members,
+                                ctx->saved_data["activation"].toInt());
     return out;
   }
 };
@@ -396,17 +411,18 @@ at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& ato
                                     at::IntArrayRef sizes, at::TensorList columns,
                                     at::TensorList first, at::TensorList packs,
                                     at::TensorList panels, at::IntArrayRef layers,
-                                    int64_t members, bool zero_blocks_exact) {
+                                    int64_t members, bool zero_blocks_exact, int64_t activation) {
   if (!(at::GradMode::is_enabled() && aev.requires_grad())) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("torchani_fast::ensemble_atomic", "")
                                .typed<decltype(ensemble_atomic_autograd)>();
     return op.call(aev, atoms, sizes, columns, first, packs, panels, layers, members,
-                   zero_blocks_exact);
+                   zero_blocks_exact, activation);
   }
   return EnsembleFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first.vec(), packs.vec(),
-                                 panels.vec(), layers.vec(), members, 0, 1, zero_blocks_exact);
+                                 panels.vec(), layers.vec(), members, 0, 1, zero_blocks_exact,
+                                 activation);
 }
 
 at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& atoms,
@@ -414,18 +430,18 @@ at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& a
                                       at::TensorList first, at::TensorList packs,
                                       at::TensorList panels, at::IntArrayRef layers,
                                       int64_t members, int64_t molecules, int64_t divisor,
-                                      bool zero_blocks_exact) {
+                                      bool zero_blocks_exact, int64_t activation) {
   if (!(at::GradMode::is_enabled() && aev.requires_grad())) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("torchani_fast::ensemble_energies", "")
                                .typed<decltype(ensemble_energies_autograd)>();
     return op.call(aev, atoms, sizes, columns, first, packs, panels, layers, members, molecules,
-                   divisor, zero_blocks_exact);
+                   divisor, zero_blocks_exact, activation);
   }
   return EnsembleFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first.vec(), packs.vec(),
                                  panels.vec(), layers.vec(), members, molecules, divisor,
-                                 zero_blocks_exact);
+                                 zero_blocks_exact, activation);
 }
 
 namespace {

@@ -267,8 +267,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
 // consecutive runs of `sizes`), group g reading the AEV columns `columns[g]`:
 // layer-1 weights first[g] (K_g, members * d1) and, in `packs`, 2 * layers[g] - 1
 // tensors: the layer-1 bias (members * d1,), then W_l (members, d_in, d_out) and
-// b_l (members, 1, d_out) of the later layers (CELU(0.1) between layers, one
-// output). `panels` is empty or, float32, per group and hidden layer l, W_l as
+// b_l (members, 1, d_out) of the later layers (one output; between layers the
+// activation `activation`: 0 CELU(0.1), 1 GELU (exact erf form); layers without
+// biases are given zero biases). `panels` is empty or, float32, per group and hidden layer l, W_l as
 // (members, d_out/16, d_in, 16) and W_l^T as (members, d_in/16, d_out, 16)
 // (ensemble/gemm.h; used on AVX2 CPUs, ignored elsewhere). `atoms` must be distinct.
 // Returns values (members, aev.size(0)): each atom's output in its own column,
@@ -282,7 +283,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
 std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
     const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
     at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
-    at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact);
+    at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact,
+    int64_t activation);
 
 // The AEV gradient (atoms, features) of ensemble_mlp's values when every
 // member's row of grad_values (members, atoms) is the same at `atoms` (an
@@ -303,12 +305,12 @@ at::Tensor ensemble_atomic_cpu(const at::Tensor& aev, const at::Tensor& atoms,
                                at::IntArrayRef sizes, at::TensorList columns,
                                at::TensorList first, at::TensorList packs,
                                at::TensorList panels, at::IntArrayRef layers, int64_t members,
-                               bool zero_blocks_exact);
+                               bool zero_blocks_exact, int64_t activation);
 at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& atoms,
                                     at::IntArrayRef sizes, at::TensorList columns,
                                     at::TensorList first, at::TensorList packs,
                                     at::TensorList panels, at::IntArrayRef layers,
-                                    int64_t members, bool zero_blocks_exact);
+                                    int64_t members, bool zero_blocks_exact, int64_t activation);
 
 // ensemble_energies: ensemble_atomic's values reduced to energies
 // (molecules,): summed over each molecule's atoms (aev holds molecules x atoms
@@ -321,13 +323,21 @@ at::Tensor ensemble_energies_cpu(const at::Tensor& aev, const at::Tensor& atoms,
                                  at::IntArrayRef sizes, at::TensorList columns,
                                  at::TensorList first, at::TensorList packs,
                                  at::TensorList panels, at::IntArrayRef layers, int64_t members,
-                                 int64_t molecules, int64_t divisor, bool zero_blocks_exact);
+                                 int64_t molecules, int64_t divisor, bool zero_blocks_exact,
+                                 int64_t activation);
 at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& atoms,
                                       at::IntArrayRef sizes, at::TensorList columns,
                                       at::TensorList first, at::TensorList packs,
                                       at::TensorList panels, at::IntArrayRef layers,
                                       int64_t members, int64_t molecules, int64_t divisor,
-                                      bool zero_blocks_exact);
+                                      bool zero_blocks_exact, int64_t activation);
+
+// The networks' activation (0 CELU(0.1), 1 GELU) of each element of x (float32
+// or float64) and its derivative, by the kernels' own code (float32: the SIMD
+// functions at the current instruction-set level); simd_erf: float32 erf by
+// common/simd_math.h's polynomial (std::erf below AVX2). For tests.
+std::tuple<at::Tensor, at::Tensor> simd_activation_cpu(const at::Tensor& x, int64_t activation);
+at::Tensor simd_erf_cpu(const at::Tensor& x);
 
 // weights_state (ensemble/ensemble_cpu.cpp): whether any of params requires grad, and a
 // fingerprint of their storages, offsets and version counters, which changes

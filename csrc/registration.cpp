@@ -44,7 +44,7 @@ TORCH_LIBRARY(torchani_fast, m) {
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevWithEdges, kAevBackwardEdges, kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
         kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kWeightsState, kGroupAtoms,
-        kFirstInvalidAtom, kValidCell, kConvertSpecies}) {
+        kFirstInvalidAtom, kValidCell, kConvertSpecies, kSimdActivation, kSimdErf}) {
     m.def(schema);
   }
 }
@@ -66,6 +66,8 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("ensemble_mlp_backward", &ensemble_mlp_backward_cpu);
   m.impl("ensemble_atomic", &ensemble_atomic_cpu);
   m.impl("ensemble_energies", &ensemble_energies_cpu);
+  m.impl("simd_activation", &simd_activation_cpu);
+  m.impl("simd_erf", &simd_erf_cpu);
   m.impl("group_atoms", &group_atoms_cpu);
   m.impl("first_invalid_atom", &first_invalid_atom_cpu);
   m.impl("valid_cell", &valid_cell_cpu);

@@ -38,18 +38,22 @@ constexpr const char* kAevLocalDerivatives =
 constexpr const char* kEnsembleMlp =
     "ensemble_mlp(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
     "Tensor[] packs, Tensor[] panels, int[] layers, int members, bool input_grad, "
-    "bool zero_blocks_exact=False) -> (Tensor values, Tensor jacobian)";
+    "bool zero_blocks_exact=False, int activation=0) -> (Tensor values, Tensor jacobian)";
 constexpr const char* kEnsembleMlpBackward =
     "ensemble_mlp_backward(Tensor grad_values, Tensor atoms, int[] sizes, Tensor[] columns, "
     "Tensor jacobian, int features) -> Tensor";
 constexpr const char* kEnsembleAtomic =
     "ensemble_atomic(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
-    "Tensor[] packs, Tensor[] panels, int[] layers, int members, bool zero_blocks_exact=False) -> "
-    "Tensor";
+    "Tensor[] packs, Tensor[] panels, int[] layers, int members, bool zero_blocks_exact=False, "
+    "int activation=0) -> Tensor";
 constexpr const char* kEnsembleEnergies =
     "ensemble_energies(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
     "Tensor[] packs, Tensor[] panels, int[] layers, int members, int molecules, int divisor, "
-    "bool zero_blocks_exact=False) -> Tensor";
+    "bool zero_blocks_exact=False, int activation=0) -> Tensor";
+// The float32/float64 activations and erf of the networks' kernels, elementwise (for tests).
+constexpr const char* kSimdActivation =
+    "simd_activation(Tensor x, int activation) -> (Tensor values, Tensor derivative)";
+constexpr const char* kSimdErf = "simd_erf(Tensor x) -> Tensor";
 constexpr const char* kGroupAtoms =
     "group_atoms(Tensor elem_idxs, int num_species, Tensor? aev=None, int radial_sublen=0, "
     "int split_min_atoms=0) -> (Tensor atoms, Tensor groups)";

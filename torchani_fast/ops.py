@@ -361,7 +361,7 @@ def _aev_local_derivatives_fake(grad_aev, columns, species, pairs, diff_vectors,
 
 @torch.library.register_fake("torchani_fast::ensemble_mlp")
 def _ensemble_mlp_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members, input_grad,
-                       zero_blocks_exact=False):
+                       zero_blocks_exact=False, activation=0):
     torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
     torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
     jac = sum(n * c.shape[0] for n, c in zip(sizes, columns)) if input_grad else 0
@@ -370,7 +370,7 @@ def _ensemble_mlp_fake(aev, atoms, sizes, columns, first, packs, panels, layers,
 
 @torch.library.register_fake("torchani_fast::ensemble_atomic")
 def _ensemble_atomic_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members,
-                          zero_blocks_exact=False):
+                          zero_blocks_exact=False, activation=0):
     torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
     torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
     return aev.new_empty((members, aev.shape[0]))
@@ -378,10 +378,20 @@ def _ensemble_atomic_fake(aev, atoms, sizes, columns, first, packs, panels, laye
 
 @torch.library.register_fake("torchani_fast::ensemble_energies")
 def _ensemble_energies_fake(aev, atoms, sizes, columns, first, packs, panels, layers, members,
-                            molecules, divisor, zero_blocks_exact=False):
+                            molecules, divisor, zero_blocks_exact=False, activation=0):
     torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
     torch._check(len(columns) == len(sizes), lambda: "columns needs one entry per group")
     return aev.new_empty((molecules,))
+
+
+@torch.library.register_fake("torchani_fast::simd_activation")
+def _simd_activation_fake(x, activation):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake("torchani_fast::simd_erf")
+def _simd_erf_fake(x):
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake("torchani_fast::group_atoms")

@@ -1,8 +1,8 @@
 // The CPU kernels' instruction-set level (level(), have_avx2(), have_avx512():
 // what the CPU has, capped by torchani_fast.cpu_isa()), and float32 exp and
 // log on 8 lanes (AVX2 + FMA) or 16 (AVX-512) for their hot loops: the AEV's
-// radial and angular terms (aev/aev_cpu.cpp) and CELU (celu01: the networks'
-// products in ensemble/gemm.h, and ensemble/ensemble_cpu.cpp). glibc's scalar expf/powf
+// radial and angular terms (aev/aev_cpu.cpp) and CELU and GELU (celu01, gelu,
+// with erf: the networks' products in ensemble/gemm.h, and ensemble/ensemble_cpu.cpp). glibc's scalar expf/powf
 // cost 5-20 ns a value; these about 1 ns.
 //
 // Accuracy: exp within 2 ulp; log within 2 ulp of ln x for normal x; powers as
@@ -306,6 +306,172 @@ TF_AVX2_INLINE void cos_sin_0_pi(__m256 x, __m256& c, __m256& s) {
   const __m256 pi_minus = _mm256_add_ps(_mm256_sub_ps(_mm256_set1_ps(3.14159274f), x),
                                         _mm256_set1_ps(-8.74227766e-8f));
   s = sin_half_pi(_mm256_min_ps(x, pi_minus));
+}
+
+// erf and GELU (exact, erf form: torch.nn.GELU()'s default, TorchANI's "gelu").
+// For a >= 0, erfc(a) = t exp(-a^2) Q(t), t = 1 / (1 + a / 2), Q a degree-10
+// polynomial fitted (for this file) to erfc's relative error on [0, 10] (t in
+// [1/6, 1]; 3.6e-9 in exact arithmetic, about 2.5 ulp in float32); exp(-a^2)
+// is exp(-hi) (1 - lo) with a^2 = hi + lo (an FMA), so that the rounding of a^2
+// does not reach erfc's tail. Near 0 both are odd polynomials, x (c0 + x^2 R(x^2))
+// with c0 in two parts (fitted for relative error, 1.4e-9): erf(a) for a < 1,
+// Phi(x) - 1/2 for |x| < sqrt 2. erf within 1.3 ulp of the C library's over all
+// floats, GELU within a few ulp (tests/test_nn_gelu.py).
+namespace erf_detail {
+constexpr float kTail[11] = {0.03570684f,  -0.19066194f, 0.38040516f, -0.28797817f,
+                             -0.023611901f, 0.03653856f, 0.054352954f, 0.18575658f,
+                             0.24514769f,  0.2822559f,   0.28208837f};  // Q, from t^10 down
+// erf(a) = a (c0 + s R(s)), s = a^2, a < 1; R from s^5 down, c0 = 2 / sqrt(pi) = hi + lo
+constexpr float kErfR[6] = {7.8862955e-05f, -0.00080210186f, 0.0051897243f, -0.026854683f,
+                            0.112836115f, -0.3761263f};
+constexpr float kErfC0Hi = 1.1283792f, kErfC0Lo = -5.8635383e-08f;
+// Phi(x) - 1/2 = x (h0 + u H(u)), u = x^2 < 2; H from u^5 down, h0 = 1 / sqrt(2 pi) = hi + lo
+constexpr float kPhiR[6] = {4.3566038e-07f, -8.862057e-06f, 0.00011467779f, -0.0011868206f,
+                            0.009973398f, -0.06649036f};
+constexpr float kPhiH0Hi = 0.3989423f, kPhiH0Lo = -1.133517e-08f;
+constexpr float kClamp = 20.0f;  // |x| of GELU above which Phi(x) is 0 or 1 in float32
+constexpr float kSqrt2 = 1.41421356237309505f;
+// The odd polynomial gives Phi for kCentreLow < x < sqrt 2: below, 1/2 + (a
+// negative odd part) would lose Phi's relative accuracy (Phi < 1/4 there).
+constexpr float kCentreLow = -0.67f;
+constexpr float kHalfRsqrt2 = 0.35355339059327376f;  // t = 1 / (1 + |x| / (2 sqrt 2)) for GELU
+constexpr float kRsqrt2Pi = 0.39894228040143268f;    // 1 / sqrt(2 pi)
+}  // namespace erf_detail
+
+// t Q(t) exp(-hi) (1 - lo): erfc of a >= 0 with t = 1 / (1 + a / 2) and a^2 = hi + lo;
+// e receives exp(-hi) (1 - lo).
+TF_AVX2_INLINE __m256 erfc_from(__m256 t, __m256 hi, __m256 lo, __m256& e) {
+  using namespace erf_detail;
+  __m256 q = _mm256_fmadd_ps(t, _mm256_set1_ps(kTail[0]), _mm256_set1_ps(kTail[1]));
+  for (int i = 2; i < 11; ++i) q = _mm256_fmadd_ps(t, q, _mm256_set1_ps(kTail[i]));
+  __m256 s, r;
+  exp_parts(_mm256_sub_ps(_mm256_setzero_ps(), hi), s, r);
+  e = _mm256_fmadd_ps(s, r, s);
+  e = _mm256_fnmadd_ps(e, lo, e);
+  return _mm256_mul_ps(_mm256_mul_ps(t, q), e);
+}
+
+// a (c_hi + c_lo + u R(u)), R of degree 5 (coefficients from u^5 down).
+TF_AVX2_INLINE __m256 odd_poly(__m256 a, __m256 u, const float (&r)[6], float c_hi, float c_lo) {
+  __m256 p = _mm256_fmadd_ps(u, _mm256_set1_ps(r[0]), _mm256_set1_ps(r[1]));
+  for (int i = 2; i < 6; ++i) p = _mm256_fmadd_ps(u, p, _mm256_set1_ps(r[i]));
+  return _mm256_fmadd_ps(a, _mm256_set1_ps(c_hi),
+                         _mm256_mul_ps(a, _mm256_fmadd_ps(u, p, _mm256_set1_ps(c_lo))));
+}
+
+// erf(x), lane by lane (NaN stays NaN).
+TF_AVX2_INLINE __m256 erf(__m256 x) {
+  using namespace erf_detail;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_min_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(10.0f));
+  const __m256 hi = _mm256_mul_ps(a, a), lo = _mm256_fmsub_ps(a, a, hi);
+  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                 _mm256_fmadd_ps(a, _mm256_set1_ps(0.5f), _mm256_set1_ps(1.0f)));
+  __m256 e;
+  const __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f), erfc_from(t, hi, lo, e));
+  const __m256 small = odd_poly(a, hi, kErfR, kErfC0Hi, kErfC0Lo);
+  const __m256 mag = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(1.0f), _CMP_LT_OQ));
+  const __m256 out = _mm256_or_ps(mag, _mm256_and_ps(x, sign));
+  return _mm256_blendv_ps(out, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// GELU(x) = x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2, lane by lane, and its
+// derivative Phi(x) + x exp(-x^2 / 2) / sqrt(2 pi). Phi is 1/2 + the odd
+// polynomial for -0.67 < x < sqrt 2, else erfc(|x| / sqrt 2) / 2 below 0 (its
+// relative accuracy kept in the left tail) and 1 - that above; |x| is clamped
+// to 20 inside (Phi exactly 0 or 1 there) and x itself multiplies, so NaN
+// stays NaN.
+TF_AVX2_INLINE __m256 gelu(__m256 x, __m256& deriv) {
+  using namespace erf_detail;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_min_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(kClamp));
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256 sq = _mm256_mul_ps(a, a);
+  const __m256 hi = _mm256_mul_ps(sq, half), lo = _mm256_mul_ps(_mm256_fmsub_ps(a, a, sq), half);
+  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                 _mm256_fmadd_ps(a, _mm256_set1_ps(kHalfRsqrt2), _mm256_set1_ps(1.0f)));
+  __m256 e;
+  const __m256 half_erfc = _mm256_mul_ps(erfc_from(t, hi, lo, e), half);
+  const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 tail = _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), half_erfc), half_erfc, neg);
+  const __m256 centre = _mm256_add_ps(
+      half, _mm256_xor_ps(odd_poly(a, sq, kPhiR, kPhiH0Hi, kPhiH0Lo), _mm256_and_ps(x, sign)));
+  const __m256 in_centre = _mm256_and_ps(_mm256_cmp_ps(a, _mm256_set1_ps(kSqrt2), _CMP_LT_OQ),
+                                         _mm256_cmp_ps(x, _mm256_set1_ps(kCentreLow), _CMP_GT_OQ));
+  const __m256 phi = _mm256_blendv_ps(tail, centre, in_centre);
+  deriv = _mm256_fmadd_ps(_mm256_mul_ps(x, e), _mm256_set1_ps(kRsqrt2Pi), phi);
+  return _mm256_mul_ps(x, phi);
+}
+
+// The same on 16 lanes: the same operations, so the same bits. (The masked
+// min with every lane set is the unmasked one without GCC 12's warning, see
+// exp_parts_n.)
+TF_AVX512_INLINE __m512 erfc_from(__m512 t, __m512 hi, __m512 lo, __m512& e) {
+  using namespace erf_detail;
+  __m512 q = _mm512_fmadd_ps(t, _mm512_set1_ps(kTail[0]), _mm512_set1_ps(kTail[1]));
+  for (int i = 2; i < 11; ++i) q = _mm512_fmadd_ps(t, q, _mm512_set1_ps(kTail[i]));
+  __m512 s, r;
+  exp_parts(_mm512_sub_ps(_mm512_setzero_ps(), hi), s, r);
+  e = _mm512_fmadd_ps(s, r, s);
+  e = _mm512_fnmadd_ps(e, lo, e);
+  return _mm512_mul_ps(_mm512_mul_ps(t, q), e);
+}
+
+TF_AVX512_INLINE __m512 odd_poly(__m512 a, __m512 u, const float (&r)[6], float c_hi, float c_lo) {
+  __m512 p = _mm512_fmadd_ps(u, _mm512_set1_ps(r[0]), _mm512_set1_ps(r[1]));
+  for (int i = 2; i < 6; ++i) p = _mm512_fmadd_ps(u, p, _mm512_set1_ps(r[i]));
+  return _mm512_fmadd_ps(a, _mm512_set1_ps(c_hi),
+                         _mm512_mul_ps(a, _mm512_fmadd_ps(u, p, _mm512_set1_ps(c_lo))));
+}
+
+TF_AVX512_INLINE __m512 abs_min(__m512 x, float bound) {
+  const __m512 a = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+  return _mm512_mask_min_ps(a, 0xFFFF, a, _mm512_set1_ps(bound));
+}
+
+TF_AVX512_INLINE __m512 sign_of(__m512 x) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0x80000000u))));
+}
+
+TF_AVX512_INLINE __m512 erf(__m512 x) {
+  using namespace erf_detail;
+  const __m512 a = abs_min(x, 10.0f);
+  const __m512 hi = _mm512_mul_ps(a, a), lo = _mm512_fmsub_ps(a, a, hi);
+  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                 _mm512_fmadd_ps(a, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.0f)));
+  __m512 e;
+  const __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f), erfc_from(t, hi, lo, e));
+  const __m512 small = odd_poly(a, hi, kErfR, kErfC0Hi, kErfC0Lo);
+  const __m512 mag =
+      _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_LT_OQ), big, small);
+  const __m512 out = _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(mag), _mm512_castps_si512(sign_of(x))));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), out, x);
+}
+
+TF_AVX512_INLINE __m512 gelu(__m512 x, __m512& deriv) {
+  using namespace erf_detail;
+  const __m512 a = abs_min(x, kClamp);
+  const __m512 half = _mm512_set1_ps(0.5f);
+  const __m512 sq = _mm512_mul_ps(a, a);
+  const __m512 hi = _mm512_mul_ps(sq, half), lo = _mm512_mul_ps(_mm512_fmsub_ps(a, a, sq), half);
+  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                 _mm512_fmadd_ps(a, _mm512_set1_ps(kHalfRsqrt2), _mm512_set1_ps(1.0f)));
+  __m512 e;
+  const __m512 half_erfc = _mm512_mul_ps(erfc_from(t, hi, lo, e), half);
+  const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 tail =
+      _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(1.0f), half_erfc), half_erfc);
+  const __m512 odd = odd_poly(a, sq, kPhiR, kPhiH0Hi, kPhiH0Lo);
+  const __m512 centre = _mm512_add_ps(half, _mm512_castsi512_ps(_mm512_xor_si512(
+                                                _mm512_castps_si512(odd), _mm512_castps_si512(sign_of(x)))));
+  const __mmask16 in_centre = _mm512_cmp_ps_mask(a, _mm512_set1_ps(kSqrt2), _CMP_LT_OQ) &
+                              _mm512_cmp_ps_mask(x, _mm512_set1_ps(kCentreLow), _CMP_GT_OQ);
+  const __m512 phi = _mm512_mask_blend_ps(in_centre, tail, centre);
+  deriv = _mm512_fmadd_ps(_mm512_mul_ps(x, e), _mm512_set1_ps(kRsqrt2Pi), phi);
+  return _mm512_mul_ps(x, phi);
 }
 
 TF_AVX2_INLINE float hsum(__m256 v) {

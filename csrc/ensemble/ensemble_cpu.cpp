@@ -16,10 +16,15 @@
 // forward, W^T for the backward; with AVX-512 the backward too reads W,
 // ensemble/gemm.h, except in groups of many blocks); otherwise BLAS.
 //
+// The activation (`activation`, small_gemm::Activation) is CELU(0.1) or GELU.
 // CELU(alpha) = x for x > 0, alpha expm1(x / alpha) otherwise; its derivative
 // is kept from the forward pass. float32 uses common/simd_math.h's exp on AVX2 CPUs
 // (about 1 ulp); float64 uses std::expm1/std::exp and reproduces PyTorch's
 // backward, which scales by 1/float32(alpha) (see nn.py).
+// GELU(x) = x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2, derivative
+// Phi(x) + x exp(-x^2 / 2) / sqrt(2 pi): float32 through simd::gelu (a
+// polynomial erfc, common/simd_math.h), float64 with std::erf / std::exp in
+// PyTorch's formulas. Layers without biases come with zero biases (nn/fused.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -129,6 +134,77 @@ void celu_inplace(double* z, double* d, int64_t count) {
   }
 }
 
+// GELU in place with its derivative. float64: PyTorch's GeluKernel /
+// GeluBackwardKernel formulas (approximate="none"), as TorchANI's float64
+// networks. The float32 scalar tail and CPUs without AVX2 evaluate in double,
+// Phi as erfc(-x / sqrt 2) / 2 (1 + erf cancels below x = -8, where float32
+// still has GELU(x)).
+void gelu_scalar(float* z, float* d, int64_t count) {
+  constexpr double kAlphaG = M_SQRT1_2, kBeta = M_2_SQRTPI * M_SQRT1_2 * 0.5;
+  for (int64_t i = 0; i < count; ++i) {
+    const double x = z[i];
+    const double cdf = 0.5 * std::erfc(-x * kAlphaG);
+    d[i] = static_cast<float>(cdf + x * kBeta * std::exp(x * x * -0.5));
+    z[i] = static_cast<float>(x * cdf);
+  }
+}
+
+void gelu_inplace(double* z, double* d, int64_t count) {
+  constexpr double kAlphaG = M_SQRT1_2, kBeta = M_2_SQRTPI * M_SQRT1_2 * 0.5;
+  for (int64_t i = 0; i < count; ++i) {
+    const double x = z[i];
+    const double cdf = 0.5 * (1.0 + std::erf(x * kAlphaG));
+    d[i] = cdf + x * (kBeta * std::exp(x * x * -0.5));
+    z[i] = x * 0.5 * (1.0 + std::erf(x * kAlphaG));
+  }
+}
+
+#ifdef TF_SIMD_AVX2
+TF_AVX2 void gelu_avx2(float* z, float* d, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    __m256 deriv;
+    _mm256_storeu_ps(z + i, simd::gelu(_mm256_loadu_ps(z + i), deriv));
+    _mm256_storeu_ps(d + i, deriv);
+  }
+  gelu_scalar(z + i, d + i, count - i);
+}
+#endif
+
+void gelu_inplace(float* z, float* d, int64_t count) {
+#ifdef TF_SIMD_AVX2
+  if (simd::have_avx2()) {
+    gelu_avx2(z, d, count);
+    return;
+  }
+#endif
+  gelu_scalar(z, d, count);
+}
+
+#ifdef TF_SIMD_AVX2
+// erf in place over the whole vectors of p[0 .. n); returns where the tail starts.
+TF_AVX2 int64_t erf_avx2(float* p, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, simd::erf(_mm256_loadu_ps(p + i)));
+  return i;
+}
+
+TF_AVX512 int64_t erf_avx512(float* p, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(p + i, simd::erf(_mm512_loadu_ps(p + i)));
+  return i;
+}
+#endif
+
+template <typename T>
+void activation_inplace(int64_t act, T* z, T* d, int64_t count) {
+  if (act == small_gemm::kGelu) {
+    gelu_inplace(z, d, count);
+  } else {
+    celu_inplace(z, d, count);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // The networks of one group, all members.
 // ---------------------------------------------------------------------------
@@ -139,6 +215,7 @@ struct GroupNet {
   int64_t rows;         // atoms in the group
   int64_t jac_offset;   // first element of its J in the flat output
   int64_t blocks = 0;   // blocks of rows (tasks per slice of the members)
+  int64_t act = small_gemm::kCelu01;  // the activation between layers
   bool stored_wt = false;  // the backward multiplies by the stored W^T panels
   // The used AEV columns (K of them) as runs of consecutive columns:
   // (first AEV column, first of the K, length).
@@ -189,13 +266,13 @@ void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, c
       }
       small_gemm::panel_gemm(rows, dout, din, h, din, net.panel_fwd[l] + m * din * dout, bias,
                              false, nullptr, 0, out, dout, chunks, nullptr, deriv, next,
-                             next_floats);
+                             next_floats, net.act);
       return;
     }
   }
   small_gemm::gemm_bias<T>(rows, dout, din, h, din, net.weight[l] + m * net.stride[l], net.ld[l],
                            bias, out, dout);
-  if (deriv != nullptr) celu_inplace(out, deriv, rows * dout);
+  if (deriv != nullptr) activation_inplace(net.act, out, deriv, rows * dout);
 }
 
 // Back through layer l of member m: out (rows, d_in) = (g W_l^T) * deriv, or,
@@ -317,7 +394,8 @@ template <typename T>
 std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
     at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
-    at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact) {
+    at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact,
+    int64_t activation) {
   const int64_t groups = static_cast<int64_t>(sizes.size());
   const int64_t features = aev.size(1);
   // Panels are used when given, for float32, on CPUs that run panel_gemm;
@@ -353,6 +431,7 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
                 "ensemble_mlp: packs holds too few tensors for layers ", layers);
     net.rows_begin = rows_begin;
     net.rows = sizes[g];
+    net.act = activation;
     net.jac_offset = jac_size;
     const int64_t* col = cols.data_ptr<int64_t>();
     for (int64_t c = 0; c < k_cols; ++c) {
@@ -511,7 +590,10 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
 std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
     const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
     at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
-    at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact) {
+    at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact,
+    int64_t activation) {
+  TORCH_CHECK(activation == small_gemm::kCelu01 || activation == small_gemm::kGelu,
+              "ensemble_mlp: activation = ", activation, " must be 0 (CELU(0.1)) or 1 (GELU)");
   TORCH_CHECK(aev.dim() == 2 && aev.is_contiguous(),
               "ensemble_mlp: aev must be a contiguous (atoms, features) tensor, got ", aev.sizes());
   TORCH_CHECK(aev.scalar_type() == at::kFloat || aev.scalar_type() == at::kDouble,
@@ -525,19 +607,19 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
               sizes.size(), ", ", columns.size(), ", ", first.size(), ", ", layers.size());
   if (aev.scalar_type() == at::kFloat) {
     return ensemble_mlp_impl<float>(aev, atoms, sizes, columns, first, packs, panels, layers, members,
-                                    input_grad, zero_blocks_exact);
+                                    input_grad, zero_blocks_exact, activation);
   }
   return ensemble_mlp_impl<double>(aev, atoms, sizes, columns, first, packs, panels, layers, members,
-                                   input_grad, zero_blocks_exact);
+                                   input_grad, zero_blocks_exact, activation);
 }
 
 at::Tensor ensemble_atomic_cpu(const at::Tensor& aev, const at::Tensor& atoms,
                                at::IntArrayRef sizes, at::TensorList columns,
                                at::TensorList first, at::TensorList packs,
                                at::TensorList panels, at::IntArrayRef layers, int64_t members,
-                               bool zero_blocks_exact) {
+                               bool zero_blocks_exact, int64_t activation) {
   return std::get<0>(ensemble_mlp_cpu(aev, atoms, sizes, columns, first, packs, panels, layers,
-                                      members, false, zero_blocks_exact));
+                                      members, false, zero_blocks_exact, activation));
 }
 
 void check_energies_args(const at::Tensor& aev, int64_t molecules, int64_t divisor) {
@@ -557,12 +639,45 @@ at::Tensor ensemble_energies_cpu(const at::Tensor& aev, const at::Tensor& atoms,
                                  at::IntArrayRef sizes, at::TensorList columns,
                                  at::TensorList first, at::TensorList packs,
                                  at::TensorList panels, at::IntArrayRef layers, int64_t members,
-                                 int64_t molecules, int64_t divisor, bool zero_blocks_exact) {
+                                 int64_t molecules, int64_t divisor, bool zero_blocks_exact,
+                                 int64_t activation) {
   check_energies_args(aev, molecules, divisor);
   const at::Tensor values = std::get<0>(ensemble_mlp_cpu(aev, atoms, sizes, columns, first, packs,
                                                          panels, layers, members, false,
-                                                         zero_blocks_exact));
+                                                         zero_blocks_exact, activation));
   return energies_from_values(values, molecules, divisor);
+}
+
+std::tuple<at::Tensor, at::Tensor> simd_activation_cpu(const at::Tensor& x, int64_t activation) {
+  TORCH_CHECK(activation == small_gemm::kCelu01 || activation == small_gemm::kGelu,
+              "simd_activation: activation = ", activation, " must be 0 (CELU(0.1)) or 1 (GELU)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
+              "simd_activation: x must be float32 or float64, got ", x.scalar_type());
+  at::Tensor values = x.contiguous().clone();
+  at::Tensor deriv = at::empty_like(values);
+  AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "simd_activation", [&] {
+    const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);  // as in the kernels
+    activation_inplace(activation, values.data_ptr<scalar_t>(), deriv.data_ptr<scalar_t>(),
+                       values.numel());
+  });
+  return {values, deriv};
+}
+
+at::Tensor simd_erf_cpu(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "simd_erf: x must be float32, got ", x.scalar_type());
+  at::Tensor out = x.contiguous().clone();
+  float* p = out.data_ptr<float>();
+  const int64_t n = out.numel();
+  int64_t i = 0;
+#ifdef TF_SIMD_AVX2
+  if (simd::have_avx512()) {
+    i = erf_avx512(p, n);
+  } else if (simd::have_avx2()) {
+    i = erf_avx2(p, n);
+  }
+#endif
+  for (; i < n; ++i) p[i] = std::erf(p[i]);
+  return out;
 }
 
 at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,

@@ -1,7 +1,7 @@
 // Matrix products of the fused networks (ensemble/ensemble_cpu.cpp): few rows (at most
 // one block of atoms) times one member's weights, row-major throughout.
 //
-//   panel_gemm(A, W)      = A W (+ bias, or + C; then * D, or CELU)
+//   panel_gemm(A, W)      = A W (+ bias, or + C; then * D, or CELU / GELU)
 //                                                             float32, AVX2 + FMA or AVX-512
 //   panel_nt(G, W)        = G W^T (+ C, or * D) from W's panels
 //                                                             float32, AVX2 (1-2 rows) or AVX-512
@@ -67,6 +67,10 @@ class OneThreadBlas {
   int previous_;
 };
 
+// The networks' activation between layers (the ensemble ops' `activation`):
+// CELU(0.1) (TorchANI's TightCELU) or GELU in its exact erf form (torch.nn.GELU()).
+enum Activation : int64_t { kCelu01 = 0, kGelu = 1 };
+
 // C (m x n) = op(A) op(B) + beta C, row-major (ta/tb: A/B stored transposed).
 template <typename T>
 void blas(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
@@ -104,6 +108,14 @@ void blas(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, int64_t
 
 #ifdef TF_SIMD_AVX2
 constexpr uint64_t kAllChunks = ~uint64_t(0);
+
+// The activation `act` of v, lane by lane, its derivative into deriv.
+TF_AVX2_INLINE __m256 activate(__m256 v, __m256& deriv, int64_t act) {
+  return act == kGelu ? simd::gelu(v, deriv) : simd::celu01(v, deriv);
+}
+TF_AVX512_INLINE __m512 activate(__m512 v, __m512& deriv, int64_t act) {
+  return act == kGelu ? simd::gelu(v, deriv) : simd::celu01(v, deriv);
+}
 
 // The OR of rows[0 .. count) (all chunks without rows).
 inline uint64_t chunks_of(const uint64_t* rows, int64_t count) {
@@ -168,12 +180,13 @@ TF_AVX2_INLINE void panel_steps(__m256 (&acc)[R][2], const float* a, int64_t lda
 // Rows 0..R of C[:, 0:16] = epilogue(A W), W one (k, 16) panel, contiguous,
 // over A's chunks in `chunks` (kAllChunks: all of k).
 // Accumulators start at `bias` (16 values) if given, else at C (accumulate) or 0;
-// the result is multiplied by D (ldd) if given, and goes through CELU(0.1) if
-// celu_d is given, which receives the derivative (row stride ldc).
+// the result is multiplied by D (ldd) if given, and goes through the activation
+// `act` if celu_d is given, which receives the derivative (row stride ldc).
 template <int R>
 TF_AVX2_INLINE void panel_rows(
     const float* a, int64_t lda, const float* w, int64_t k, uint64_t chunks, const float* bias,
-    bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc, float* celu_d) {
+    bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc, float* celu_d,
+    int64_t act) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
     if (bias != nullptr) {
@@ -196,7 +209,7 @@ TF_AVX2_INLINE void panel_rows(
     if (celu_d != nullptr) {
       for (int h = 0; h < 2; ++h) {
         __m256 deriv;
-        acc[r][h] = simd::celu01(acc[r][h], deriv);
+        acc[r][h] = activate(acc[r][h], deriv, act);
         _mm256_storeu_ps(celu_d + r * ldc + 8 * h, deriv);
       }
     }
@@ -212,7 +225,7 @@ TF_AVX2_INLINE void panel_rows(
 TF_AVX2 inline void panel_gemm_avx2(
     int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
     const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
-    const uint64_t* a_chunks, const uint64_t* c_chunks, float* celu_d) {
+    const uint64_t* a_chunks, const uint64_t* c_chunks, float* celu_d, int64_t act) {
   for (int64_t j = 0; j < n; j += 16) {
     const float* wj = w + j * k;
     const float* bj = bias ? bias + j : nullptr;
@@ -229,12 +242,12 @@ TF_AVX2 inline void panel_gemm_avx2(
       const float* dr = d ? d + r * ldd + j : nullptr;
       float* er = celu_d ? celu_d + r * ldc + j : nullptr;
       switch (rows) {
-        case 6: panel_rows<6>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
-        case 5: panel_rows<5>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
-        case 4: panel_rows<4>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
-        case 3: panel_rows<3>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
-        case 2: panel_rows<2>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
-        default: panel_rows<1>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er); break;
+        case 6: panel_rows<6>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+        case 5: panel_rows<5>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+        case 4: panel_rows<4>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+        case 3: panel_rows<3>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+        case 2: panel_rows<2>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+        default: panel_rows<1>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
       }
     }
   }
@@ -268,7 +281,7 @@ template <int R, int P>
 TF_AVX512 void panel_tile512(const float* a, int64_t lda, const float* w, int64_t k,
                              uint64_t chunks, const float* bias, bool accumulate, const float* d,
                              int64_t ldd, float* c, int64_t ldc, float* celu_d, const int64_t* cols,
-                             const char* stream) {
+                             const char* stream, int64_t act) {
   const float* wq[P];
   __m512 acc[R][P];
   for (int q = 0; q < P; ++q) {
@@ -292,7 +305,7 @@ TF_AVX512 void panel_tile512(const float* a, int64_t lda, const float* w, int64_
       if (d != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(d + r * ldd + cols[q]));
       if (celu_d != nullptr) {
         __m512 deriv;
-        v = simd::celu01(v, deriv);
+        v = activate(v, deriv, act);
         _mm512_storeu_ps(celu_d + r * ldc + cols[q], deriv);
       }
       _mm512_storeu_ps(c + r * ldc + cols[q], v);
@@ -304,12 +317,12 @@ template <int R>
 TF_AVX512 void panel_tile512(int panels, const float* a, int64_t lda, const float* w, int64_t k,
                              uint64_t chunks, const float* bias, bool accumulate, const float* d,
                              int64_t ldd, float* c, int64_t ldc, float* celu_d, const int64_t* cols,
-                             const char* stream) {
+                             const char* stream, int64_t act) {
   switch (panels) {
-    case 4: panel_tile512<R, 4>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream); break;
-    case 3: panel_tile512<R, 3>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream); break;
-    case 2: panel_tile512<R, 2>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream); break;
-    default: panel_tile512<R, 1>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream); break;
+    case 4: panel_tile512<R, 4>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream, act); break;
+    case 3: panel_tile512<R, 3>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream, act); break;
+    case 2: panel_tile512<R, 2>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream, act); break;
+    default: panel_tile512<R, 1>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, celu_d, cols, stream, act); break;
   }
 }
 
@@ -320,7 +333,7 @@ TF_AVX512 inline void panel_gemm_avx512(
     int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* w,
     const float* bias, bool accumulate, const float* d, int64_t ldd, float* c, int64_t ldc,
     const uint64_t* a_chunks, const uint64_t* c_chunks, float* celu_d,
-    const float* next = nullptr, int64_t next_floats = 0) {
+    const float* next = nullptr, int64_t next_floats = 0, int64_t act = kCelu01) {
   for (int64_t j0 = 0; j0 < n; j0 += 64) {
     const int64_t group_end = std::min<int64_t>(n, j0 + 64);
     // The group's tiles prefetch into L2, one line per step of k, the next
@@ -353,12 +366,12 @@ TF_AVX512 inline void panel_gemm_avx512(
       const float* dr = d ? d + r * ldd : nullptr;
       float* er = celu_d ? celu_d + r * ldc : nullptr;
       switch (rows) {
-        case 6: panel_tile512<6>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
-        case 5: panel_tile512<5>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
-        case 4: panel_tile512<4>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
-        case 3: panel_tile512<3>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
-        case 2: panel_tile512<2>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
-        default: panel_tile512<1>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream); break;
+        case 6: panel_tile512<6>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        case 5: panel_tile512<5>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        case 4: panel_tile512<4>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        case 3: panel_tile512<3>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        case 2: panel_tile512<2>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        default: panel_tile512<1>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
       }
     }
   }
@@ -649,22 +662,25 @@ inline bool panels_supported() {
 
 // C (m x n) = epilogue(A W) as in panel_rows; n % 16 == 0; needs panels_supported().
 // a_chunks / c_chunks: the zero chunks (per row, or nullptr; k / n <= 1024 when given).
-// celu_d: C = CELU(0.1)(A W + bias), its derivative into celu_d (not with c_chunks).
+// celu_d: C = act(A W + bias) (CELU(0.1) or GELU, `act`), its derivative into
+// celu_d (not with c_chunks).
 // next: next_floats floats read after this product, prefetched into L2 while
 // its last group of panels runs (AVX-512; a hint, results do not depend on it).
 inline void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                        const float* w, const float* bias, bool accumulate, const float* d,
                        int64_t ldd, float* c, int64_t ldc, const uint64_t* a_chunks = nullptr,
                        const uint64_t* c_chunks = nullptr, float* celu_d = nullptr,
-                       const float* next = nullptr, int64_t next_floats = 0) {
+                       const float* next = nullptr, int64_t next_floats = 0,
+                       int64_t act = kCelu01) {
   TORCH_CHECK(celu_d == nullptr || c_chunks == nullptr, "panel_gemm: celu_d with c_chunks");
 #ifdef TF_SIMD_AVX2
   if (simd::have_avx512()) {
     panel_gemm_avx512(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,
-                      celu_d, next, next_floats);
+                      celu_d, next, next_floats, act);
     return;
   }
-  panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks, celu_d);
+  panel_gemm_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks, celu_d,
+                  act);
 #else
   TORCH_CHECK(false, "panel_gemm needs an x86-64 CPU with AVX2");
 #endif

@@ -27,13 +27,14 @@ except ImportError:  # TorchANI 2.2.4: the base of torchani_fast.legacy's fused 
             self.num_species = 0
 
 from .grouping import aten_composition_groups, aten_groups, composition_groups, groups
-from .layout import (_aev_layout, _bitmask, _Layout, _zero_blocks_mean_no_neighbors, aev_columns,
-                     linears as _linears, unsupported_reason)
+from .layout import (_activation_of, _aev_layout, _bitmask, _Layout, _zero_blocks_mean_no_neighbors,
+                     aev_columns, charge_unsupported_reason, linears as _linears, unsupported_reason)
 from .packing import OpArgs, _NativePlan, _panel_pair, _watch_linear
 from .recompute import (RECOMPUTE_MIN_BYTES, RECOMPUTE_MIN_BYTES_GPU, _device_budget, _mlp_values,
                         _Recompute)
 
-__all__ = ["FusedEnsemble", "FusedNetworks", "fuse_networks"]
+__all__ = ["FusedEnsemble", "FusedNetworks", "FusedChargeNetworks", "fuse_networks",
+           "fuse_charge_networks"]
 
 MAX_FIRST_LAYER_PACKS = 32
 SPLIT_MIN_ATOMS = 64  # smallest group of atoms worth a second layer-1 GEMM
@@ -59,6 +60,11 @@ class _FusedBase(AtomicContainer):
     recompute_min_bytes_gpu: int
     small_group_atoms: int
     native_cpu: bool  # CPU calls use the C++ ops ensemble_atomic / ensemble_energies (module doc)
+    activation: int  # between layers: 0 CELU(0.1) (TightCELU), 1 GELU (layout.ACTIVATION_*)
+    # per element, per layer: whether the Linear has a bias (those without are packed
+    # as zero biases; their slot in _flat_params holds the layer's weight instead)
+    layer_biases: tp.List[tp.List[bool]]
+    output_row: int  # -1: one output per atom; else the row of the last layer evaluated (charges)
     num_layers: tp.List[int]  # per element: number of Linear layers (hidden + final)
     hidden_widths: tp.List[int]  # per element: sum of the hidden layers' widths
     offsets: tp.List[int]  # per element: first index of its packs in the hidden entry
@@ -79,6 +85,10 @@ class _FusedBase(AtomicContainer):
         atomics = self._member_atomics()[0]
         self.num_species = len(atomics)
         self.num_layers = [len(_linears(a)) for a in atomics]
+        code = _activation_of(getattr(atomics[0], "activation", None))
+        self.activation = 0 if code is None else code
+        self.layer_biases = [[lin.bias is not None for lin in _linears(a)] for a in atomics]
+        self.output_row = -1
         self.offsets = []
         off = 0
         for n in self.num_layers:
@@ -241,10 +251,10 @@ class _FusedBase(AtomicContainer):
                     divisor = len(self.active_members_idxs) if self.is_ensemble else 1
                     return torch.ops.torchani_fast.ensemble_energies(
                         aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k,
-                        molecules, divisor, self.zero_blocks_exact)
+                        molecules, divisor, self.zero_blocks_exact, self.activation)
                 return torch.ops.torchani_fast.ensemble_atomic(
                     aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k,
-                    self.zero_blocks_exact)
+                    self.zero_blocks_exact, self.activation)
         ws: tp.List[tp.List[tp.List[Tensor]]] = []
         training = self._check_weights()
         if training:
@@ -273,7 +283,7 @@ class _FusedBase(AtomicContainer):
             x = xs[g] if cols.shape[0] == aev.shape[1] else xs[g].index_select(1, cols)
             o = self.offsets[e]
             packs = hidden[o:o + 2 * self.num_layers[e] - 1]
-            outs.append(_mlp_values(x, first[1], packs, k, self.small_group_atoms)[0])
+            outs.append(_mlp_values(x, first[1], packs, k, self.small_group_atoms, self.activation)[0])
         return out.index_copy(1, atoms, torch.cat(outs, 1))
 
     def _recompute(self, aev: Tensor, group_elem: tp.List[int], group_size: tp.List[int], k: int) -> bool:
@@ -304,7 +314,8 @@ class _FusedBase(AtomicContainer):
     ) -> Tensor:
         """Values (k, atoms) of the groups by ``_Recompute`` in PyTorch, keeping no activations."""
         args = self._op_args(act, group_elem, group_mask, hidden, False)
-        return _Recompute.apply(aev, atoms, group_size, args, len(act), self.small_group_atoms)
+        return _Recompute.apply(aev, atoms, group_size, args, len(act), self.small_group_atoms,
+                                self.activation)
 
     def _native_args(self, act: tp.List[int], group_elem: tp.List[int],
                      group_mask: tp.List[int]) -> tp.Optional[OpArgs]:
@@ -524,23 +535,34 @@ class _FusedBase(AtomicContainer):
             return self._pack_first(ws, act, elem, mask)
 
     def _pack_hidden(self, ws: tp.List[tp.List[tp.List[Tensor]]], act: tp.List[int]) -> tp.List[Tensor]:
-        """Per element: bias of layer 1 (k*d1,), then W_l (k, d_in, d_out) and b_l (k, 1, d_out)."""
+        """Per element: bias of layer 1 (k*d1,), then W_l (k, d_in, d_out) and b_l (k, 1, d_out)
+        (zeros for a layer without bias: adding them changes no bit)."""
         out: tp.List[Tensor] = []
         k = len(act)
         for e in range(self.num_species):
-            b1 = ws[act[0]][e][1]
-            width = b1.shape[0]
-            packed = b1.new_empty([k * width])
-            for i, j in enumerate(act):
-                packed.narrow(0, i * width, width).copy_(ws[j][e][1])
-            out.append(packed)
-            for l in range(1, self.num_layers[e]):
-                w = ws[act[0]][e][2 * l]
-                weights = w.new_empty([k, w.shape[1], w.shape[0]])
-                biases = w.new_empty([k, 1, w.shape[0]])
+            w1 = ws[act[0]][e][0]
+            width = w1.shape[0]
+            if self.layer_biases[e][0]:
+                packed = w1.new_empty([k * width])
                 for i, j in enumerate(act):
-                    weights[i].copy_(ws[j][e][2 * l].t())
-                    biases[i, 0].copy_(ws[j][e][2 * l + 1])
+                    packed.narrow(0, i * width, width).copy_(ws[j][e][1])
+            else:
+                packed = w1.new_zeros([k * width])
+            out.append(packed)
+            last = self.num_layers[e] - 1
+            for l in range(1, self.num_layers[e]):
+                # (charge networks: the last layer's row output_row only)
+                row = self.output_row if l == last and self.output_row >= 0 else -1
+                w = ws[act[0]][e][2 * l]
+                out_dim = 1 if row >= 0 else w.shape[0]
+                weights = w.new_empty([k, w.shape[1], out_dim])
+                biases = w.new_zeros([k, 1, out_dim])
+                for i, j in enumerate(act):
+                    wl = ws[j][e][2 * l]
+                    weights[i].copy_((wl if row < 0 else wl.narrow(0, row, 1)).t())
+                    if self.layer_biases[e][l]:
+                        bl = ws[j][e][2 * l + 1]
+                        biases[i, 0].copy_(bl if row < 0 else bl.narrow(0, row, 1))
                 out.append(weights)
                 out.append(biases)
         return out
@@ -589,7 +611,9 @@ class _FusedBase(AtomicContainer):
     def _refresh_params(self) -> None:
         # (Eager only; also picks up parameters replaced by assignment.)
         linears = [lin for atomics in self._member_atomics() for a in atomics for lin in _linears(a)]
-        self._flat_params = [p for lin in linears for p in (lin.weight, lin.bias)]
+        # (A layer without bias: its weight stands in the bias's slot, see layer_biases.)
+        self._flat_params = [p for lin in linears
+                             for p in (lin.weight, lin.weight if lin.bias is None else lin.bias)]
         self._params_watch = torch.classes.torchani_fast.WeightsWatch(self._flat_params)
         for lin in linears:
             _watch_linear(lin, self)
@@ -655,6 +679,10 @@ class _FusedBase(AtomicContainer):
     def __setstate__(self, state):
         # Modules pickled by an older torchani_fast get the attributes added since.
         state.setdefault("native_cpu", True)
+        state.setdefault("activation", 0)
+        state.setdefault("output_row", -1)  # (older modules fused CELU networks with biases only)
+        if "layer_biases" not in state:
+            state["layer_biases"] = [[True] * n for n in state["num_layers"]]
         state.setdefault("zero_blocks_exact", False)  # (no split, J computed everywhere: exact)
         state.setdefault("_native_plans", {})
         state.setdefault("_weights_fingerprint", -1)
@@ -750,6 +778,34 @@ class FusedNetworks(_FusedBase):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self._eager_clear()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class FusedChargeNetworks(FusedNetworks):
+    """Drop-in for TorchANI's charge networks (``_ANINetworksDiscardFirstScalar``,
+    ANImbis): atomic networks with two outputs of which the second is the
+    charge. Evaluates that output only (the op's one-output networks with the
+    last layer's second row). ``forward(elem_idxs, aevs, atomic=True)`` gives
+    the atomic charges (M, A), ``atomic=False`` their sums, as TorchANI's.
+    """
+
+    def __init__(self, networks: torch.nn.Module, aev_computer: tp.Optional[torch.nn.Module] = None):
+        super().__init__(networks, aev_computer)
+        self.output_row = 1  # (nothing is packed before the first call)
+
+
+def fuse_charge_networks(networks: torch.nn.Module, aev_computer: tp.Optional[torch.nn.Module] = None):
+    """The fused form of TorchANI's charge networks (``SeparateChargesNNPotential.charge_networks``,
+    ANImbis), sharing their parameters; already fused ones are returned as is.
+
+    ``aev_computer`` as for :func:`fuse_networks`. Raises ``TypeError`` (saying
+    why) for networks that cannot be fused; see ``layout.charge_unsupported_reason``.
+    """
+    if isinstance(networks, FusedChargeNetworks):
+        return networks
+    reason = charge_unsupported_reason(networks)
+    if reason is not None:
+        raise TypeError(f"torchani_fast cannot fuse these charge networks: {reason}")
+    return FusedChargeNetworks(networks, aev_computer)
 
 
 def fuse_networks(networks: torch.nn.Module, aev_computer: tp.Optional[torch.nn.Module] = None):

@@ -16,6 +16,7 @@ RECOMPUTE_MIN_BYTES_GPU = -1  # the same on other devices; -1: an eighth of the 
 RECOMPUTE_FALLBACK_BYTES = 1024 * 1024 * 1024  # for -1 where the memory size is not known
 RECOMPUTE_CHUNK_ATOMS = 1024  # atoms per chunk: temporaries of a few MB, which glibc reuses without growing the heap
 CELU_ALPHA = 0.1
+ACTIVATION_GELU = 1  # the op's ``activation`` codes (layout.py): 0 CELU(0.1), 1 GELU
 
 
 def _first_layer(x: Tensor, w1: Tensor, b1: Tensor, k: int, small: int) -> Tensor:
@@ -33,12 +34,20 @@ def _gather(aev: Tensor, atoms: Tensor, cols: tp.Optional[Tensor]) -> Tensor:
     return x if cols is None else x.index_select(1, cols)
 
 
+def _activate(h: Tensor, activation: int) -> Tensor:
+    """The activation between layers, as TorchANI's modules compute it."""
+    if activation == 1:  # ACTIVATION_GELU (a literal for TorchScript)
+        return torch.nn.functional.gelu(h)
+    return torch.nn.functional.celu(h, 0.1)
+
+
 def _mlp_values(
-    x: Tensor, w1: Tensor, packs: tp.List[Tensor], k: int, small: int
+    x: Tensor, w1: Tensor, packs: tp.List[Tensor], k: int, small: int, activation: int = 0
 ) -> tp.Tuple[Tensor, tp.List[Tensor]]:
     """Outputs (k, n) of one group's networks and the pre-activations (k, n, d) of the hidden layers.
 
-    ``packs`` = [b1 (k*d1,), W2 (k, d1, d2), b2 (k, 1, d2), ...] as in ``_pack_hidden``.
+    ``packs`` = [b1 (k*d1,), W2 (k, d1, d2), b2 (k, 1, d2), ...] as in ``_pack_hidden``
+    (zero biases for layers without), ``activation`` the op's code (CELU(0.1) or GELU).
     CELU is not applied in place: the in-place backward recovers exp(x/alpha) from
     the output, which does not reproduce TorchANI's float64 forces to 1e-9.
     """
@@ -47,7 +56,7 @@ def _mlp_values(
     pre: tp.List[Tensor] = []
     for l in range(1, (len(packs) + 1) // 2):
         pre.append(h)
-        h = torch.baddbmm(packs[2 * l], torch.nn.functional.celu(h, 0.1), packs[2 * l - 1])
+        h = torch.baddbmm(packs[2 * l], _activate(h, activation), packs[2 * l - 1])
     return h.reshape(k, n), pre
 
 
@@ -62,15 +71,23 @@ def _celu_backward(grad: Tensor, pre: Tensor) -> Tensor:
     return torch.ops.aten.elu_backward(grad, CELU_ALPHA, 1.0, _CELU_INPUT_SCALE, False, pre)
 
 
+def _activation_backward(grad: Tensor, pre: Tensor, activation: int) -> Tensor:
+    if activation == ACTIVATION_GELU:
+        return torch.ops.aten.gelu_backward(grad, pre)  # approximate="none", differentiable
+    return _celu_backward(grad, pre)
+
+
 def _mlp_input_grad(
-    grad: Tensor, w1: Tensor, packs: tp.List[Tensor], pre: tp.List[Tensor], k: int, small: int
+    grad: Tensor, w1: Tensor, packs: tp.List[Tensor], pre: tp.List[Tensor], k: int, small: int,
+    activation: int = 0,
 ) -> Tensor:
     """d(sum grad * outputs) / dx for the outputs of ``_mlp_values``: (n, K)."""
     n = grad.shape[1]
     in_dim = w1.shape[0]
     g = grad.unsqueeze(2)  # (k, n, 1)
     for l in range(len(pre), 0, -1):
-        g = _celu_backward(torch.bmm(g, packs[2 * l - 1].transpose(1, 2)), pre[l - 1])  # (k, n, d_l)
+        g = _activation_backward(torch.bmm(g, packs[2 * l - 1].transpose(1, 2)), pre[l - 1],
+                                 activation)  # (k, n, d_l)
     if n <= small:
         return torch.bmm(g, w1.view(in_dim, k, -1).permute(1, 2, 0)).sum(0)
     return g.transpose(0, 1).reshape(n, -1).mm(w1.t())
@@ -96,23 +113,24 @@ class _Recompute(torch.autograd.Function):
     runs of ``sizes``) are the evaluated rows of ``aev``; ``args`` are the
     groups' weights as ``ensemble_mlp`` takes them (columns, layer-1 weights
     (K, k*d1), the other packs, panels, layers), constants here (the path is
-    only taken when they need no grad). The backward recomputes the activations
+    only taken when they need no grad), ``activation`` the op's code. The backward recomputes the activations
     a chunk of atoms at a time, differentiably under ``create_graph=True``.
     """
 
     @staticmethod
     def forward(ctx, aev: Tensor, atoms: Tensor, sizes: tp.List[int], args: tp.Tuple, k: int,
-                small: int) -> Tensor:
+                small: int, activation: int = 0) -> Tensor:
         ctx.atoms = atoms
         ctx.sizes = sizes
         ctx.args = args
         ctx.k = k
         ctx.small = small
+        ctx.activation = activation
         ctx.save_for_backward(aev)
         outs = []
         for atoms_g, (cols, w1, packs) in zip(atoms.split(sizes), _per_group(args, aev.shape[1])):
             for chunk in atoms_g.split(RECOMPUTE_CHUNK_ATOMS):
-                outs.append(_mlp_values(_gather(aev, chunk, cols), w1, packs, k, small)[0])
+                outs.append(_mlp_values(_gather(aev, chunk, cols), w1, packs, k, small, activation)[0])
         return aev.new_zeros((k, aev.shape[0])).index_copy_(1, atoms, torch.cat(outs, 1))
 
     @staticmethod
@@ -124,11 +142,12 @@ class _Recompute(torch.autograd.Function):
         grad = aev.new_zeros(aev.shape)
         for atoms_g, (cols, w1, packs) in zip(ctx.atoms.split(ctx.sizes), _per_group(ctx.args, aev.shape[1])):
             for chunk in atoms_g.split(RECOMPUTE_CHUNK_ATOMS):
-                pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, ctx.k, ctx.small)[1]
-                gx = _mlp_input_grad(grad_out.index_select(1, chunk), w1, packs, pre, ctx.k, ctx.small)
+                pre = _mlp_values(_gather(aev, chunk, cols), w1, packs, ctx.k, ctx.small, ctx.activation)[1]
+                gx = _mlp_input_grad(grad_out.index_select(1, chunk), w1, packs, pre, ctx.k, ctx.small,
+                                     ctx.activation)
                 index = (chunk,) if cols is None else (chunk.unsqueeze(1), cols.unsqueeze(0))
                 grad = grad.index_put(index, gx) if differentiable else grad.index_put_(index, gx)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 _DEVICE_BUDGETS: tp.Dict[str, int] = {}

@@ -216,25 +216,35 @@ def test_repulsion_and_dispersion_pairs_just_inside_their_cutoffs_count():
 
 
 def test_fallback_warns_once_and_names_the_part():
-    model = stock("ANI2xr")
-    with pytest.warns(UserWarning, match="keeps TorchANI's AEV computer for this model: .*CutoffSmooth"):
+    # SnnANI2xr's members are one network with an element embedding: TorchANI's stay.
+    model = stock("SnnANI2xr")
+    with pytest.warns(UserWarning, match="keeps TorchANI's neural networks for this model"):
         torchani_fast.patch(model)
-    kept = kept_parts(model)
-    assert set(kept) == {"AEV computer", "neural networks"}
-    assert "GELU" in kept["neural networks"]
+    assert set(kept_parts(model)) == {"neural networks"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torchani_fast.patch(model)  # a second call does not warn again
         torchani_fast.patch(model, neighborlist="cell_list")
     assert model.neighborlist.strategy == "cell_list"
-    # The kept AEV computer searches with torchani_fast's neighbour list too.
-    assert model.potentials["nnp"].aev_computer.neighborlist is model.neighborlist
     # Another model warns again (once per model).
     with pytest.warns(UserWarning, match="keeps TorchANI's"):
-        torchani_fast.patch(stock("ANI2xr"))
+        torchani_fast.patch(stock("SnnANI2xr"))
 
 
-@pytest.mark.parametrize("name", ["ANI2x", "ANI1x", "ANI1xnr", "ANImbis"])
+def test_a_kept_aev_computer_searches_with_our_neighbour_list():
+    from torchani.cutoffs import CutoffBiweight
+
+    model = stock("ANI2x")
+    aevc = model.potentials["nnp"].aev_computer
+    aevc.radial.cutoff_fn = aevc.angular.cutoff_fn = CutoffBiweight()
+    with pytest.warns(UserWarning, match="keeps TorchANI's AEV computer for this model: .*CutoffBiweight"):
+        torchani_fast.patch(model)
+    assert set(kept_parts(model)) == {"AEV computer"}
+    assert model.potentials["nnp"].aev_computer is aevc
+    assert aevc.neighborlist is model.neighborlist
+
+
+@pytest.mark.parametrize("name", ["ANI2x", "ANI1x", "ANI1xnr", "ANImbis", "ANI2xr", "ANI2dr", "ANIr2s"])
 def test_fully_supported_models_do_not_warn(name):
     model = stock(name)
     with warnings.catch_warnings():

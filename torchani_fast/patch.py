@@ -31,7 +31,8 @@ import torch
 
 from .aev import AEVComputer, NeighborList
 from .validation import SpeciesConverter, ValidatedModel
-from .nn import _FusedBase, fuse_networks, unsupported_reason
+from .nn import (FusedChargeNetworks, _FusedBase, charge_unsupported_reason, fuse_charge_networks,
+                 fuse_networks, unsupported_reason)
 from .potentials import UnboundedNeighborList, speed_up
 
 __all__ = ["patch", "is_patched", "kept_parts"]
@@ -126,6 +127,13 @@ def _fuse(model: torch.nn.Module, nnp: torch.nn.Module) -> None:
         nnp.neural_networks = fuse_networks(nnp.neural_networks, nnp.aev_computer)
     else:
         _keep(model, "neural networks", reason)
+    charges = getattr(nnp, "charge_networks", None)  # ANIq (ANImbis)
+    if charges is not None and not isinstance(charges, FusedChargeNetworks):
+        reason = charge_unsupported_reason(charges)
+        if reason is None:
+            nnp.charge_networks = fuse_charge_networks(charges, nnp.aev_computer)
+        else:
+            _keep(model, "charge networks", reason)
 
 
 def _nnp(model: torch.nn.Module) -> torch.nn.Module:

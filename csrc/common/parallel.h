@@ -6,7 +6,11 @@
 // again, up to a time slice (milliseconds) per region: the 46-atom ligand went
 // from 2.4 ms to 30-50 ms per energy + forces call beside two busy processes.
 //
-// parallel_for below splits [begin, end) into chunks that the calling thread
+// parallel_for below runs a loop on OpenMP's team (at::parallel_for) while
+// the machine is quiet: those threads are still awake after other torch work.
+// When one of them starts its share late (descheduled), the next few thousand
+// loops go to torchani_fast's own pool instead, which
+// splits [begin, end) into chunks that the calling thread
 // and torchani_fast's worker threads claim one at a time from a shared counter.
 // The caller waits only for chunks that a worker has already claimed, never
 // for a worker that has not started: when a worker is late, the caller (and
@@ -22,9 +26,9 @@
 // thrown by fn is rethrown on the caller once every claimed chunk finished.
 // Calls from inside a region, from a second thread while one region runs, or
 // with one thread (torch.set_num_threads(1)) run fn(begin, end) serially. The
-// number of threads is at::get_num_threads(). fn must not call BLAS: a BLAS
-// library threaded with OpenMP does not know it runs inside a region here
-// (those loops keep at::parallel_for).
+// number of threads is at::get_num_threads(). An fn that calls BLAS keeps it
+// to one thread (ensemble/gemm.h, OneThreadBlas): an OpenMP-threaded BLAS does
+// not know it runs inside a pool loop.
 #pragma once
 
 #include <cstdint>

@@ -559,10 +559,24 @@ def test_energy_forces_step_refuses_extra_potentials_and_kept_aev():
     species, coords = molecule(fast, 8)
     with pytest.raises(NotImplementedError, match=r"only the ANI potential.*repulsion_xtb"):
         torchani_fast.EnergyForcesStep(fast, species, coords)
+    # Without its repulsion, ANI-2xr's smooth-cutoff AEV and GELU networks run in the step.
     fast.potentials["repulsion_xtb"]._enabled = False
     fast._has_extra_potentials = fast._check_has_extra_potentials()
-    with pytest.raises(NotImplementedError, match="needs torchani_fast's AEV.*CutoffSmooth"):
-        torchani_fast.EnergyForcesStep(fast, species, coords)
+    step = torchani_fast.EnergyForcesStep(fast, species, coords)
+    e, f = step(coords)
+    e_ref, f_ref = energy_forces(fast, species, coords)
+    torch.testing.assert_close(e, e_ref, rtol=1e-10, atol=0)
+    torch.testing.assert_close(f, f_ref, rtol=1e-9, atol=1e-12)
+    # A model whose AEV stays TorchANI's is refused, naming why.
+    from torchani.cutoffs import CutoffBiweight
+
+    model = stock("ANI2x")
+    aevc = model.potentials["nnp"].aev_computer
+    aevc.radial.cutoff_fn = aevc.angular.cutoff_fn = CutoffBiweight()
+    with pytest.warns(UserWarning, match="keeps TorchANI's AEV computer"):
+        torchani_fast.patch(model)
+    with pytest.raises(NotImplementedError, match="needs torchani_fast's AEV.*CutoffBiweight"):
+        torchani_fast.EnergyForcesStep(model, species, coords)
 
 
 @contextlib.contextmanager

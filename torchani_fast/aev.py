@@ -96,6 +96,11 @@ class NeighborList(torch.nn.Module):
         cell: tp.Optional[Tensor] = None,
         pbc: tp.Optional[Tensor] = None,
     ) -> Neighbors:
+        return self._search(cutoff, elem_idxs, coords, cell, pbc)
+
+    def _search(self, cutoff: float, elem_idxs: Tensor, coords: Tensor,
+                cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor]) -> Neighbors:
+        # (Subclasses call this: TorchScript has no super().)
         # The sync-free mode reads no data here either (see check_capacity).
         check_periodic_work(elem_idxs, coords, cell, pbc, cutoff, values=self.max_pairs == 0)
         use_cells = self.strategy == "cell_list" or (

@@ -30,9 +30,7 @@ from torchani.neighbors import Neighbors
 from torchani.potentials import RepulsionXTB, TwoBodyDispersionD3
 from torchani.tuples import EnergiesScalars
 
-from . import ops
 from .aev import NeighborList
-from .validation import check_periodic_work
 
 __all__ = ["FastRepulsionXTB", "FastDispersionD3", "UnboundedNeighborList", "speed_up",
            "d3_unsupported_reason"]
@@ -193,27 +191,7 @@ class UnboundedNeighborList(NeighborList):
                 cutoff = float((hi - lo).norm()) * 1.001 + 1.0
             else:
                 cutoff = 1.0
-        # NeighborList.forward's search (TorchScript has no super() calls).
-        check_periodic_work(elem_idxs, coords, cell, pbc, cutoff, values=self.max_pairs == 0)
-        use_cells = self.strategy == "cell_list" or (
-            self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
-        )
-        if self.max_pairs > 0:
-            pairs, images, num_pairs = ops.neighbor_pairs_padded(
-                elem_idxs, coords.detach(), None if cell is None else cell.detach(), pbc,
-                cutoff, use_cells, self.max_pairs,
-            )
-            self.num_pairs = num_pairs
-            safe = pairs.clamp(min=0)
-        else:
-            pairs, images = ops.neighbor_pairs(
-                elem_idxs, coords.detach(), None if cell is None else cell.detach(), pbc,
-                cutoff, use_cells,
-            )
-            safe = pairs
-        diff, distances = ops.pair_vectors(coords.view(-1, 3), safe,
-                                           None if cell is None else images, cell)
-        return Neighbors(pairs, distances, diff)
+        return self._search(cutoff, elem_idxs, coords, cell, pbc)
 
 
 def d3_unsupported_reason(pot: TwoBodyDispersionD3) -> tp.Optional[str]:

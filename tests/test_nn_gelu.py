@@ -17,6 +17,7 @@ from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, unsupp
 from torchani_fast.nn.layout import ACTIVATION_CELU, ACTIVATION_GELU
 from torchani_fast.testing import random_model
 from conftest import energy_forces
+from test_ensemble_op import panels_of
 from test_nn import assert_energies, assert_forces, padded_batch
 
 ops = torch.ops.torchani_fast
@@ -166,19 +167,6 @@ def make_groups(dtype, members, widths, cols_per_group, sizes, bias, features=64
         layers.append(len(dims) - 1)
         mlps.append((ws, bs))
     return aev, atoms, list(sizes), columns, first, packs, layers, mlps
-
-
-def panels_of(first, packs, layers, members):
-    out, p = [], 0
-    for w1, nl in zip(first, layers):
-        ws = [w1.view(w1.shape[0], members, -1).transpose(0, 1)]
-        ws += [packs[p + 2 * l - 1] for l in range(1, nl - 1)]
-        for w in ws:
-            k, d_in, d_out = w.shape
-            out.append(w.reshape(k, d_in, d_out // 16, 16).permute(0, 2, 1, 3).contiguous())
-            out.append(w.reshape(k, d_in // 16, 16, d_out).permute(0, 1, 3, 2).contiguous())
-        p += 2 * nl - 1
-    return out
 
 
 def reference_values(x, atoms, sizes, columns, mlps):

@@ -66,7 +66,8 @@ def _same(a, b, tol: float) -> bool:
     if np.array_equal(a, b):
         return True
     with np.errstate(invalid="ignore"):
-        largest = np.abs(a.astype(np.float64) - b.astype(np.float64)).max() if a.size else 0.0
+        diff = a.astype(np.float64, copy=False) - b.astype(np.float64, copy=False)
+        largest = np.abs(diff).max() if a.size else 0.0
     if largest > tol:  # finite and beyond tol, or infinite: allclose says False too
         return False
     return bool(np.allclose(a, b, rtol=0, atol=tol))  # NaN, inf - inf, or within tol

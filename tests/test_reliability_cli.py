@@ -159,9 +159,9 @@ def test_energy_writes_through_partial_and_keeps_finished_work_when_interrupted(
     complete = json.loads(out.read_text())
     assert len(complete["energies"]) == 3 and "complete" not in complete
 
-    import torchani_fast.models
+    import torchani_fast.evaluate
 
-    real = torchani_fast.models.energies_forces
+    real = torchani_fast.evaluate.energies_forces
     calls = []
 
     def interrupted(*args):
@@ -170,7 +170,7 @@ def test_energy_writes_through_partial_and_keeps_finished_work_when_interrupted(
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(torchani_fast.models, "energies_forces", interrupted)
+    monkeypatch.setattr(torchani_fast.evaluate, "energies_forces", interrupted)
     out.write_text(SENTINEL)
     status, err = run(capsys, "energy", path, "--forces", "-b", "2", "-o", out, "-d", "cpu", "-t", "f64",
                       "--no-progress")

@@ -221,8 +221,10 @@ def test_bad_structures_are_reported_and_do_not_stop_the_run(cluster, tmp_path):
     assert cli.main(["energy", str(bad), "-t", "f64", "-d", "cpu", "--no-progress", "--scheduler",
                      cluster.scheduler.address, "-o", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert f"{bad}, frame 3: element Fe (atom 3) is not supported" in data["structures"][3]["error"]
-    assert f"{bad}, frame 8: non-finite coordinates (atom 2)" in data["structures"][8]["error"]
+    # The local command's messages (torchani_fast.structures.check_structure).
+    assert (f"{bad}, frame 3: element Fe (atomic number 26) at atom 2 (counting from 0) is not "
+            "supported by ANI2x") in data["structures"][3]["error"]
+    assert f"{bad}, frame 8: atom 1 has non-finite coordinates" in data["structures"][8]["error"]
     assert data["energies"][3] is None and data["energies"][8] is None
     assert [k for k, s in enumerate(data["structures"]) if "error" in s] == [3, 8]
     # The others: the same bits as the local command on the good frames alone.

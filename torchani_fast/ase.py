@@ -34,7 +34,7 @@ from ase.calculators.calculator import Calculator as _AseCalculator
 from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from .models import _model_float
+from .evaluate import model_float
 from .validation import check_elements, check_periodic_work
 
 __all__ = ["Calculator", "periodic_cell"]
@@ -143,7 +143,7 @@ class Calculator(_AseCalculator):
             )
         if stress_kind not in STRESS_KINDS:
             raise ValueError(f"stress_kind must be one of {STRESS_KINDS}, got {stress_kind!r}")
-        ref = _model_float(model)
+        ref = model_float(model)
         self.model = model
         self._device = ref.device
         self._dtype = ref.dtype

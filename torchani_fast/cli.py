@@ -26,6 +26,8 @@ import typing as tp
 from pathlib import Path
 
 from ._output import PartialFile, check_writable, terminate_as_interrupt, write_atomic
+from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch,
+                         frozen_copy, optimizer_class, plan_batches, progress)
 
 __all__ = ["main", "CLIError"]
 
@@ -68,17 +70,6 @@ class CLIError(Exception):
 
 
 # ---------------------------------------------------------------- helpers
-def _progress(iterable=None, **kwargs):
-    from tqdm.auto import tqdm
-
-    kwargs.setdefault("file", sys.stderr)
-    kwargs.setdefault("dynamic_ncols", True)
-    return tqdm(iterable, **kwargs)
-
-
-_MODEL_NAMES = {name.lower(): name for name in (
-    "ANI2x", "ANI1x", "ANI1ccx", "ANI1xnr", "ANI2xr", "ANI2dr", "ANImbis", "ANIr2s",
-    "ANIr2s_water", "ANIr2s_ch3cn", "ANIr2s_chcl3", "SnnANI2xr")}
 _DTYPES = {"float32": "float32", "f32": "float32", "float": "float32",
            "float64": "float64", "f64": "float64", "double": "float64"}
 _MODEL_CACHE: dict = {}
@@ -86,10 +77,10 @@ _MODEL_CACHE: dict = {}
 
 def _model_name(text: str) -> str:
     try:
-        return _MODEL_NAMES[text.lower()]
+        return MODEL_NAMES[text.lower()]
     except KeyError:
         raise argparse.ArgumentTypeError(
-            f"unknown model {text!r}; choose one of {', '.join(_MODEL_NAMES.values())}"
+            f"unknown model {text!r}; choose one of {', '.join(MODEL_NAMES.values())}"
         ) from None
 
 
@@ -167,59 +158,6 @@ def _index(index: str):
     return selection
 
 
-def _elements(name: str) -> tp.Tuple[str, ...]:
-    """The element symbols model ``name`` covers (known without loading it)."""
-    from torchani.utils import SYMBOLS_1X, SYMBOLS_2X
-
-    return tuple(SYMBOLS_1X) if name in ("ANI1x", "ANI1ccx", "ANI1xnr") else tuple(SYMBOLS_2X)
-
-
-# The models' neighbour cutoffs (Å): the largest of their potentials (ANI2dr's
-# dispersion: 8.0; ANIr2s' repulsion has none), for the cell check before the
-# model is loaded.
-_CUTOFFS = {"ANI2x": 5.1, "ANI1x": 5.2, "ANI1ccx": 5.2, "ANI1xnr": 5.2, "ANI2xr": 5.2,
-            "ANI2dr": 8.0, "ANImbis": 5.1, "ANIr2s": math.inf, "ANIr2s_water": math.inf,
-            "ANIr2s_ch3cn": math.inf, "ANIr2s_chcl3": math.inf, "SnnANI2xr": 5.2}
-
-
-def _check_elements(name: str, path: Path, frame: int, numbers) -> None:
-    from ase.data import atomic_numbers
-
-    from .validation import check_elements
-
-    try:
-        check_elements(numbers, [atomic_numbers[s] for s in _elements(name)], name,
-                       where=f"{path}, frame {frame}")
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-
-
-def _check_geometry(name: str, path: Path, frame: int, atoms) -> None:
-    """Finite positions and a usable cell (the checks of the model, worded with file and frame)."""
-    import numpy as np
-    import torch
-
-    from .ase import periodic_cell
-    from .validation import check_periodic_work
-
-    finite = np.isfinite(atoms.positions).all(axis=1)
-    if not finite.all():
-        j = int(np.flatnonzero(~finite)[0])
-        raise CLIError(f"{path}, frame {frame}: atom {j} has non-finite coordinates "
-                       f"{atoms.positions[j].tolist()}")
-    if atoms.pbc.any():
-        if math.isinf(_CUTOFFS[name]):
-            raise CLIError(f"{path}, frame {frame}: {name} has a repulsion without cutoff, which is "
-                           f"not defined for periodic systems (pbc={atoms.pbc.tolist()})")
-        species = torch.as_tensor(atoms.numbers).unsqueeze(0)
-        coords = torch.as_tensor(atoms.positions, dtype=torch.float64).unsqueeze(0)
-        cell = torch.as_tensor(periodic_cell(atoms), dtype=torch.float64)
-        try:
-            check_periodic_work(species, coords, cell, torch.as_tensor(atoms.pbc), _CUTOFFS[name])
-        except ValueError as exc:
-            raise CLIError(f"{path}, frame {frame}: {exc}") from None
-
-
 def _structures(paths: tp.Sequence[Path], index: str, name: str) -> list:
     """[(path, frame, atoms)] for every selected frame of every file, checked.
 
@@ -228,80 +166,15 @@ def _structures(paths: tp.Sequence[Path], index: str, name: str) -> list:
     out = []
     for path in paths:
         for frame, atoms in _read(path, index):
-            if len(atoms) == 0:
-                raise CLIError(f"{path}, frame {frame}: no atoms")
-            _check_elements(name, path, frame, atoms.numbers)
-            _check_geometry(name, path, frame, atoms)
+            try:
+                check_structure(name, f"{path}, frame {frame}", atoms)
+            except ValueError as exc:
+                raise CLIError(str(exc)) from None
             out.append((path, frame, atoms))
     return out
 
 
 # ---------------------------------------------------------------- energy
-def _batches(structures: list, batch_size: int, max_slots: int = 32768) -> tp.Iterator[list]:
-    """Indices of structures evaluated together in one padded model call.
-
-    Structures share a call when they have the same cell and pbc (one cell per
-    batch, as TorchANI takes it), whatever file they come from. Within a group
-    they are sorted by size so little padding is needed, and a batch holds at
-    most ``batch_size`` structures and ``max_slots`` padded atoms.
-    """
-    groups: dict = {}
-    for i, (_, _, atoms) in enumerate(structures):
-        key = (tuple(bool(p) for p in atoms.pbc),
-               atoms.cell.array.tobytes() if atoms.pbc.any() else b"")
-        groups.setdefault(key, []).append(i)
-    for idxs in groups.values():
-        idxs.sort(key=lambda i: len(structures[i][2]))
-        batch: list = []
-        for i in idxs:
-            size = len(structures[i][2])  # the largest so far, as sizes ascend
-            if batch and (len(batch) >= batch_size or (len(batch) + 1) * size > max_slots):
-                yield batch
-                batch = []
-            batch.append(i)
-        if batch:
-            yield batch
-
-
-def evaluate_batch(model, batch: list, forces: bool, hessians: bool):
-    """Energies (M,), forces (M, A, 3) or None and Hessians (M, 3A, 3A) or None of a
-    batch of ASE Atoms (padded to the largest, one cell and pbc for all), on the
-    model's device and dtype: how `energy` (and `screen`, on a cluster) evaluate a
-    batch, so that both give the same bits."""
-    import torch
-
-    from .ase import periodic_cell
-    from .models import energies_forces, energies_forces_hessians
-
-    ref = next(model.parameters())
-    amax = max(len(a) for a in batch)
-    species = torch.full((len(batch), amax), -1, dtype=torch.long)
-    coords = torch.zeros((len(batch), amax, 3), dtype=torch.float64)
-    for k, a in enumerate(batch):
-        species[k, :len(a)] = torch.from_numpy(a.numbers)
-        coords[k, :len(a)] = torch.from_numpy(a.positions)
-    species = species.to(ref.device)
-    first = batch[0]
-    cell = pbc = None
-    if first.pbc.any():
-        cell = torch.tensor(periodic_cell(first), dtype=ref.dtype, device=ref.device)
-        pbc = torch.tensor(first.pbc, dtype=torch.bool, device=ref.device)
-    if hessians:
-        try:
-            e, f, h = energies_forces_hessians(model, species, coords, cell, pbc)
-        except NotImplementedError as exc:
-            raise CLIError(f"--hessians: {exc}") from exc
-    elif forces:
-        e, f = energies_forces(model, species, coords, cell, pbc)
-        h = None
-    else:  # energies only: no backward pass
-        with torch.no_grad():
-            x = coords.to(device=ref.device, dtype=ref.dtype)
-            e = model((species, x), cell=cell, pbc=pbc).energies
-        f = h = None
-    return e, f, h
-
-
 def _run_energy(args) -> int:
     if _on_cluster(args):
         return _run_screen(args)
@@ -311,7 +184,7 @@ def _run_energy(args) -> int:
     energies: list = [None] * n
     forces: list = [None] * n
     hessians: list = [None] * n
-    bar = _progress(total=n, desc="energy", unit="structure",
+    bar = progress(total=n, desc="energy", unit="structure",
                     disable=args.no_progress or n < 2)
 
     def document(complete: bool) -> str:
@@ -327,24 +200,22 @@ def _run_energy(args) -> int:
         return json.dumps(output, indent=4 if args.output else None)
 
     try:
-        for idxs in _batches(structures, args.batch_size):
+        sizes = [len(a) for _, _, a in structures]
+        keys = [batch_key(a) for _, _, a in structures]
+        for idxs in plan_batches(sizes, keys, args.batch_size):
             batch = [structures[i][2] for i in idxs]
-            natoms = [len(a) for a in batch]
             try:
                 e, f, h = evaluate_batch(model, batch, args.forces, args.hessians)
+            except NotImplementedError as exc:
+                raise CLIError(f"--hessians: {exc}") from exc
             except (ValueError, RuntimeError) as exc:
                 names = "; ".join(f"{structures[i][0]}, frame {structures[i][1]}" for i in idxs[:3])
                 more = f" and {len(idxs) - 3} more" if len(idxs) > 3 else ""
                 raise CLIError(f"{names}{more}: {exc}") from exc
-            e = e.cpu().double()
-            f = None if f is None else f.cpu().double()
-            for k, i in enumerate(idxs):
-                a = natoms[k]
-                energies[i] = float(e[k])
-                if f is not None:
-                    forces[i] = f[k, :a].tolist()
-                if h is not None:
-                    hessians[i] = h[k, :3 * a, :3 * a].cpu().double().tolist()
+            for i, rec in zip(idxs, batch_results(batch, e, f, h)):
+                energies[i] = rec["energy"]
+                forces[i] = rec.get("forces")
+                hessians[i] = rec.get("hessians")
             bar.update(len(idxs))
     except BaseException:
         # Interrupted or failed: what was computed goes to OUTPUT.partial
@@ -367,22 +238,6 @@ def _run_energy(args) -> int:
 
 
 # ---------------------------------------------------------------- optimize
-def _optimizer_class(name: str):
-    import ase.optimize
-
-    return {"BFGS": ase.optimize.BFGS, "LBFGS": ase.optimize.LBFGS, "FIRE": ase.optimize.FIRE}[name]
-
-
-def _frozen_copy(atoms, results: dict):
-    """A copy of ``atoms`` carrying ``results`` (what extended XYZ writes)."""
-    from ase.calculators.singlepoint import SinglePointCalculator
-
-    out = atoms.copy()
-    out.calc = SinglePointCalculator(out, **{k: results[k] for k in ("energy", "forces", "stress")
-                                             if k in results})
-    return out
-
-
 def _extxyz(atoms) -> str:
     """One extended XYZ frame as text: written with a single write() call, so an
     interruption (a signal handler runs between calls) never leaves half a frame."""
@@ -403,12 +258,12 @@ def _run_optimize(args) -> int:
     structures = _structures(args.files, args.index, args.model)
     model = _load_model(args.model, args.device, args.dtype)
     calc = Calculator(model)
-    opt_cls = _optimizer_class(args.optimizer)
+    opt_cls = optimizer_class(args.optimizer)
     rows = []
     # Each optimised structure is appended to OUTPUT.partial as it finishes;
     # renamed to OUTPUT once all are done (an interrupted run keeps the file).
     with PartialFile(args.output) as out:
-        outer = _progress(structures, desc="structures", unit="structure",
+        outer = progress(structures, desc="structures", unit="structure",
                           disable=args.no_progress or len(structures) < 2)
         try:
             for path, frame, atoms in outer:
@@ -437,7 +292,7 @@ def _optimize_one(args, calc, opt_cls, path, frame, atoms):
     atoms = atoms.copy()
     atoms.calc = calc
     e0 = atoms.get_potential_energy()
-    bar = _progress(total=args.steps, desc=f"{path.name}[{frame}]", unit="step",
+    bar = progress(total=args.steps, desc=f"{path.name}[{frame}]", unit="step",
                     leave=False, disable=args.no_progress)
 
     def tick():
@@ -457,7 +312,7 @@ def _optimize_one(args, calc, opt_cls, path, frame, atoms):
     seconds = time.perf_counter() - start
     e1 = atoms.get_potential_energy()
     fmax = float(np.sqrt((atoms.get_forces() ** 2).sum(axis=1).max()))
-    final = _frozen_copy(atoms, calc.results)
+    final = frozen_copy(atoms, calc.results)
     # Keep real metadata but not the flags ASE makes of a plain XYZ comment line.
     final.info = {k: v for k, v in final.info.items() if v is not True}
     final.info.update(source=str(path), frame=frame, optimizer=args.optimizer,
@@ -521,12 +376,12 @@ def _run_md(args) -> int:
     logger = MDLogger(dyn, atoms, log.file, header=True, stress=False, peratom=False)
 
     def write_frame():
-        traj.write(_extxyz(_frozen_copy(atoms, atoms.calc.results)))
+        traj.write(_extxyz(frozen_copy(atoms, atoms.calc.results)))
         log.flush()
 
     dyn.attach(logger, interval=args.interval)
     dyn.attach(write_frame, interval=args.interval)
-    bar = _progress(total=args.steps, desc="md", unit="step", disable=args.no_progress)
+    bar = progress(total=args.steps, desc="md", unit="step", disable=args.no_progress)
 
     def tick():
         if dyn.nsteps == 0:  # ASE also calls observers before the first step
@@ -659,9 +514,43 @@ def _on_cluster(args) -> bool:
 
 
 def _run_screen(args) -> int:
-    from .screen import run_command
+    """``torchani-fast energy|optimize`` with ``--scheduler`` or ``--workers``."""
+    from types import SimpleNamespace
 
-    return run_command(args)
+    from .screen import ScreenError, _write_energy, screen
+
+    common = dict(client=None, scheduler=args.scheduler, workers=args.workers, model=args.model,
+                  dtype=args.dtype, device=args.device, index=args.index, resume=args.resume,
+                  progress=not args.no_progress)
+    try:
+        if args.command == "energy":
+            results = screen(args.files, "energy", forces=args.forces, hessians=args.hessians,
+                             batch_size=args.batch_size, output=args.output,
+                             indent=4 if args.output else None, **common)
+            if args.output is None:  # the JSON goes to stdout, as the local command's
+                spec = {"forces": args.forces or args.hessians, "hessians": args.hessians}
+                _write_energy(sys.stdout, results, results.__getitem__, spec, None)
+            else:
+                print(f"{len(results)} structure(s) -> {args.output}", file=sys.stderr)
+        else:
+            results = screen(args.files, "optimize", fmax=args.fmax, steps=args.steps,
+                             optimizer=args.optimizer, output=args.output, **common)
+            rows = [(r["file"], r["frame"], r["natoms"], r["steps"], r["converged"],
+                     r["energy_start"], r["energy_final"], r["fmax"], r["seconds"])
+                    for r in results if "error" not in r]
+            if rows:
+                _print_table(rows, SimpleNamespace(fmax=args.fmax, optimizer=args.optimizer,
+                                                   model=args.model, dtype=args.dtype,
+                                                   output=args.output))
+    except ScreenError as exc:
+        raise CLIError(str(exc)) from exc
+    failed = [r["error"] for r in results if "error" in r]
+    for message in failed:
+        print(f"torchani-fast {args.command}: failed: {message}", file=sys.stderr)
+    if failed:
+        print(f"{len(failed)} of {len(results)} structure(s) failed (reported in the output)",
+              file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""Ready-to-use patched ANI models and a safe energy/forces helper.
+"""Ready-to-use patched ANI models (and the energy/forces helpers of :mod:`torchani_fast.evaluate`).
 
 >>> from torchani_fast.models import ANI2x
 >>> model = ANI2x(dtype=torch.float64)                  # a patched torchani ANI model
@@ -14,9 +14,10 @@ without network access).
 import typing as tp
 
 import torch
-from torch import Tensor
 
 from .aev import AEVComputer
+from .evaluate import (EnergiesForces, EnergiesForcesHessians, energies_forces,  # noqa: F401
+                       energies_forces_hessians)
 from .patch import patch
 
 _STRATEGIES = ("auto", "pyaev", "cuaev", "cuaev-fused", "cuaev-interface", "torchani_fast")
@@ -34,21 +35,6 @@ _NEIGHBORLISTS = {
     "all_pairs": "all_pairs",
     "cell_list": "cell_list",
 }
-
-
-class EnergiesForces(tp.NamedTuple):
-    """Energies (M,) in Hartree and forces (M, A, 3) in Hartree/Å, detached."""
-
-    energies: Tensor
-    forces: Tensor
-
-
-class EnergiesForcesHessians(tp.NamedTuple):
-    """Energies (M,), forces (M, A, 3) and Hessians (M, 3A, 3A), in Ha and Å, detached."""
-
-    energies: Tensor
-    forces: Tensor
-    hessians: Tensor
 
 
 def _build(name: str, model_index: tp.Optional[int], neighborlist: str, strategy: str,
@@ -233,122 +219,3 @@ MODELS: tp.Dict[str, tp.Callable[..., torch.nn.Module]] = {
     "ANI2dr": ANI2dr, "ANImbis": ANImbis, "ANIr2s": ANIr2s, "ANIr2s_water": ANIr2s_water,
     "ANIr2s_ch3cn": ANIr2s_ch3cn, "ANIr2s_chcl3": ANIr2s_chcl3, "SnnANI2xr": SnnANI2xr,
 }
-
-
-def _model_float(model: torch.nn.Module) -> Tensor:
-    for t in model.parameters():
-        return t
-    for t in model.buffers():
-        if t.is_floating_point():
-            return t
-    raise ValueError("the model has no floating-point parameters or buffers to take a dtype from")
-
-
-def _require_tensors(**named) -> None:
-    """TypeError naming the first argument that is not a tensor (None allowed)."""
-    for name, value in named.items():
-        if value is not None and not isinstance(value, Tensor):
-            raise TypeError(
-                f"{name} must be a torch.Tensor, got {type(value).__module__}.{type(value).__name__}; "
-                f"convert it explicitly, e.g. torch.as_tensor({name})")
-
-
-def _forces(energies: Tensor, x: Tensor) -> Tensor:
-    """-dE/dx; zeros where the energies do not depend on ``x`` (a batch of
-    padding only: every energy is 0 and autograd has nothing to differentiate)."""
-    if not energies.requires_grad:
-        return torch.zeros_like(x)
-    (grad,) = torch.autograd.grad(energies.sum(), x, allow_unused=True)
-    return torch.zeros_like(x) if grad is None else -grad
-
-
-def _prepare(model, species, coords: Tensor, cell, pbc):
-    _require_tensors(species=species, coords=coords, cell=cell, pbc=pbc)
-    ref = _model_float(model)
-    # A fresh leaf: detach() gives a new tensor object, so setting requires_grad
-    # on it never touches the caller's tensor; .to() is a no-op when the dtype
-    # and device already match.
-    x = coords.detach().to(device=ref.device, dtype=ref.dtype).requires_grad_(True)
-    if cell is not None:
-        cell = cell.detach().to(device=ref.device, dtype=ref.dtype)
-    if pbc is not None:
-        pbc = pbc.to(device=ref.device)
-    return x, cell, pbc
-
-
-def energies_forces(model: torch.nn.Module, species: Tensor, coords: Tensor,
-                    cell: tp.Optional[Tensor] = None,
-                    pbc: tp.Optional[Tensor] = None) -> EnergiesForces:
-    """Energies and forces of a batch, leaving the caller's tensors untouched.
-
-    Parameters
-    ----------
-    model : torchani.arch.ANI or torch.jit.ScriptModule
-        Any TorchANI ANI model, patched or not, eager or scripted.
-    species : Tensor
-        (M, A) long: atomic numbers (or element indices if the model has
-        ``periodic_table_index=False``); -1 marks padding atoms.
-    coords : Tensor
-        (M, A, 3) positions in Å, any float dtype and device: a detached copy
-        is moved to the model's dtype and device; ``coords.requires_grad`` is
-        left as it was.
-    cell : Tensor, optional
-        (3, 3) lattice vectors (rows) in Å, shared by the batch.
-    pbc : Tensor, optional
-        (3,) bool; ``None`` for no periodicity.
-
-    Returns
-    -------
-    EnergiesForces
-        ``energies`` (M,) in Hartree and ``forces`` (M, A, 3) = -dE/dx in
-        Hartree/Å, both detached, in the model's dtype and on its device.
-        Forces on padding atoms are 0; a batch of padding only gives energies
-        and forces 0.
-
-    Raises
-    ------
-    TypeError
-        If an input is not a tensor (numpy arrays and lists are not converted).
-    """
-    x, cell, pbc = _prepare(model, species, coords, cell, pbc)
-    with torch.enable_grad():
-        energies = model((species.to(x.device), x), cell=cell, pbc=pbc).energies
-        forces = _forces(energies, x)
-    return EnergiesForces(energies.detach(), forces)
-
-
-def energies_forces_hessians(model: torch.nn.Module, species: Tensor, coords: Tensor,
-                             cell: tp.Optional[Tensor] = None,
-                             pbc: tp.Optional[Tensor] = None) -> EnergiesForcesHessians:
-    """Energies, forces and Hessians (second derivatives) of a batch.
-
-    Arguments are those of :func:`energies_forces`.
-
-    Returns
-    -------
-    EnergiesForcesHessians
-        ``energies`` (M,) in Ha, ``forces`` (M, A, 3) in Ha/Å and ``hessians``
-        (M, 3A, 3A) = d²E/dx² in Ha/Å², with rows and columns ordered
-        atom-major (x0, y0, z0, x1, ...), all detached.
-
-    Computed by :func:`torchani_fast.grad.energies_forces_and_hessians`:
-    patched eager models (CPU or CUDA) get the Hessian in one pass; others
-    (scripted, unpatched) one autograd pass per Cartesian component.
-
-    Raises
-    ------
-    TypeError
-        If an input is not a tensor (numpy arrays and lists are not converted).
-    NotImplementedError
-        If the model's featurizer has no second derivatives (the message of the
-        underlying error is kept).
-    """
-    from .grad import energies_forces_and_hessians
-
-    x, cell, pbc = _prepare(model, species, coords, cell, pbc)
-    try:
-        return energies_forces_and_hessians(model, species.to(x.device), x.detach(), cell, pbc)
-    except RuntimeError as exc:
-        if "second derivative" in str(exc) or "double backward" in str(exc):
-            raise NotImplementedError(f"Hessians are not supported yet: {exc}") from exc
-        raise

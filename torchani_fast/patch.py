@@ -35,7 +35,7 @@ from .nn import (FusedChargeNetworks, _FusedBase, charge_unsupported_reason, fus
                  fuse_networks, unsupported_reason)
 from .potentials import UnboundedNeighborList, speed_up
 
-__all__ = ["patch", "is_patched", "kept_parts"]
+__all__ = ["patch", "is_patched", "kept_parts", "nnp_of"]
 
 # model -> {part: reason} of the parts patch() left as TorchANI's (and warned about).
 _KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, tp.Dict[str, str]]" = weakref.WeakKeyDictionary()
@@ -44,7 +44,7 @@ _KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, tp.Dict[str, str]]" = weakref
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether ``model`` was already patched by torchani_fast (its neighbour
     list is torchani_fast's; see :func:`kept_parts` for what stayed TorchANI's)."""
-    nnp = _nnp(model)
+    nnp = nnp_of(model)
     return isinstance(nnp.aev_computer, AEVComputer) or isinstance(
         getattr(model, "neighborlist", None), NeighborList)
 
@@ -87,7 +87,7 @@ def patch(model: torch.nn.Module, neighborlist: str = "auto") -> torch.nn.Module
         If the model is not a TorchANI ANI model or its featurizer is of a kind
         torchani_fast does not reproduce exactly (the message names it).
     """
-    nnp = _nnp(model)
+    nnp = nnp_of(model)
     if is_patched(model):
         model.neighborlist.set_strategy(neighborlist)
         _patch_parts(model, nnp)
@@ -136,7 +136,9 @@ def _fuse(model: torch.nn.Module, nnp: torch.nn.Module) -> None:
             _keep(model, "charge networks", reason)
 
 
-def _nnp(model: torch.nn.Module) -> torch.nn.Module:
+def nnp_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The ANI potential of a TorchANI >= 2.5 model (``model.potentials['nnp']``):
+    its AEV computer and networks; ``TypeError`` for anything else."""
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError("patch() needs the eager TorchANI model; call torch.jit.script after patching")
     potentials = getattr(model, "potentials", None)
@@ -172,8 +174,8 @@ class _FrontDoor:
 
     @torch.jit.unused
     def energies_forces(self, species, coords, cell=None, pbc=None):
-        """Energies (Ha) and forces (Ha/Å); see :func:`torchani_fast.models.energies_forces`."""
-        from .models import energies_forces
+        """Energies (Ha) and forces (Ha/Å); see :func:`torchani_fast.evaluate.energies_forces`."""
+        from .evaluate import energies_forces
 
         return energies_forces(self, species, coords, cell, pbc)
 

@@ -24,6 +24,10 @@ import typing as tp
 import uuid
 from pathlib import Path
 
+from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch,
+                         frozen_copy, optimizer_class, plan_batches)
+from .structures import progress as _progress_bar
+
 __all__ = ["screen", "ScreenError"]
 
 _FORMAT_VERSION = 1
@@ -178,36 +182,17 @@ def _items(paths: tp.Sequence[Path], index: str) -> tp.List[dict]:
             frames = frames if isinstance(frames, list) else [frames]
             for k in _select(path, len(frames), index):
                 items.append({"file": str(path), "frame": k, "atoms": frames[k],
-                              "natoms": len(frames[k]), "key": _key(frames[k])})
+                              "natoms": len(frames[k]), "key": batch_key(frames[k])})
     return items
 
 
 def _problem(atoms, item: dict, model: str) -> tp.Optional[str]:
-    """Why ``atoms`` cannot be evaluated by ``model``, or None."""
-    import numpy as np
-    from ase.data import atomic_numbers, chemical_symbols
-
-    from .cli import _elements
-
-    where = f"{item['file']}, frame {item['frame']}"
-    if len(atoms) == 0:
-        return f"{where}: no atoms"
-    symbols = _elements(model)
-    supported = {atomic_numbers[s] for s in symbols}
-    for j, z in enumerate(atoms.numbers):
-        if int(z) not in supported:
-            return (f"{where}: element {chemical_symbols[int(z)]} (atom {j + 1}) is not "
-                    f"supported by {model}, which covers {' '.join(symbols)}")
-    bad = np.flatnonzero(~np.isfinite(atoms.positions).all(axis=1))
-    if bad.size:
-        return f"{where}: non-finite coordinates (atom {int(bad[0]) + 1})"
+    """Why ``atoms`` cannot be evaluated by ``model`` (the local command's message), or None."""
+    try:
+        check_structure(model, f"{item['file']}, frame {item['frame']}", atoms)
+    except ValueError as exc:
+        return str(exc)
     return None
-
-
-def _key(atoms) -> tuple:
-    """Structures with equal keys (cell and pbc) may share a batch, as in ``cli._batches``."""
-    return (tuple(bool(p) for p in atoms.pbc),
-            atoms.cell.array.tobytes() if atoms.pbc.any() else b"")
 
 
 def _describe(items: tp.List[dict], model: str) -> list:
@@ -222,7 +207,7 @@ def _describe(items: tp.List[dict], model: str) -> list:
             out.append((item["natoms"], None, f"{item['file']}, frame {item['frame']}: "
                                               f"cannot be parsed ({type(exc).__name__}: {exc})"))
             continue
-        out.append((len(atoms), _key(atoms), _problem(atoms, item, model)))
+        out.append((len(atoms), batch_key(atoms), _problem(atoms, item, model)))
     for f in files.values():
         f.close()
     return out
@@ -230,25 +215,10 @@ def _describe(items: tp.List[dict], model: str) -> list:
 
 def _plan(meta: list, batch_size: int, max_slots: int = 32768) -> tp.List[tp.List[int]]:
     """Batches of item indices, exactly as the local command forms them
-    (``cli._batches``: same cell and pbc, ascending size, at most ``batch_size``
-    structures and ``max_slots`` padded atoms), so results are the same bits."""
-    groups: dict = {}
-    for i, (_, key, problem) in enumerate(meta):
-        if problem is None:
-            groups.setdefault(key, []).append(i)
-    batches = []
-    for idxs in groups.values():
-        idxs.sort(key=lambda i: meta[i][0])
-        batch: list = []
-        for i in idxs:
-            size = meta[i][0]
-            if batch and (len(batch) >= batch_size or (len(batch) + 1) * size > max_slots):
-                batches.append(batch)
-                batch = []
-            batch.append(i)
-        if batch:
-            batches.append(batch)
-    return batches
+    (:func:`~torchani_fast.structures.plan_batches`), so results are the same bits;
+    items with a problem are left out."""
+    return plan_batches([m[0] for m in meta], [m[1] if m[2] is None else None for m in meta],
+                        batch_size, max_slots)
 
 
 # ---------------------------------------------------------------- worker side
@@ -275,22 +245,8 @@ def _worker_loads() -> int:
 
 def _energy_records(model, spec: dict, items: list, atoms_list: list) -> list:
     """Energies (forces, Hessians) of one batch, computed as the local command does."""
-    from .cli import evaluate_batch
-
-    natoms = [len(a) for a in atoms_list]
     e, f, h = evaluate_batch(model, atoms_list, spec["forces"], spec["hessians"])
-    e = e.cpu().double()
-    f = None if f is None else f.cpu().double()
-    records = []
-    for k, item in enumerate(items):
-        a = natoms[k]
-        rec = {"i": item["i"], "energy": float(e[k])}
-        if f is not None:
-            rec["forces"] = f[k, :a].tolist()
-        if h is not None:
-            rec["hessians"] = h[k, :3 * a, :3 * a].cpu().double().tolist()
-        records.append(rec)
-    return records
+    return [dict(i=item["i"], **rec) for item, rec in zip(items, batch_results(atoms_list, e, f, h))]
 
 
 def _energy_task(spec: dict, items: list) -> list:
@@ -344,7 +300,6 @@ def _optimize_task(spec: dict, items: list) -> list:
     import numpy as np
 
     from .ase import Calculator
-    from .cli import _frozen_copy, _optimizer_class
 
     model = _worker_model(spec["model"], spec["device"], spec["dtype"])
     calc = Calculator(model)
@@ -354,7 +309,7 @@ def _optimize_task(spec: dict, items: list) -> list:
             atoms = atoms.copy()
             atoms.calc = calc
             e0 = atoms.get_potential_energy()
-            opt = _optimizer_class(spec["optimizer"])(atoms, logfile=None)
+            opt = optimizer_class(spec["optimizer"])(atoms, logfile=None)
             start = time.perf_counter()
             converged = bool(opt.run(fmax=spec["fmax"], steps=spec["steps"]))
             seconds = time.perf_counter() - start
@@ -363,7 +318,7 @@ def _optimize_task(spec: dict, items: list) -> list:
         except Exception as exc:
             records.append(_error_record(item, f"{type(exc).__name__}: {exc}"))
             continue
-        final = _frozen_copy(atoms, calc.results)
+        final = frozen_copy(atoms, calc.results)
         final.info = {k: v for k, v in final.info.items() if v is not True}
         final.info.update(source=item["file"], frame=item["frame"], optimizer=spec["optimizer"],
                           steps=opt.nsteps, converged=converged, fmax=fmax)
@@ -682,13 +637,11 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
     ScreenError
         Unreadable input, a foreign ``.partial`` file, a lost scheduler.
     """
-    from .cli import _MODEL_NAMES, _progress
-
     if command not in ("energy", "optimize"):
         raise ScreenError(f"command must be 'energy' or 'optimize', got {command!r}")
-    model = _MODEL_NAMES.get(str(model).lower(), model)
-    if model not in _MODEL_NAMES.values():
-        raise ScreenError(f"unknown model {model!r}; choose one of {', '.join(_MODEL_NAMES.values())}")
+    model = MODEL_NAMES.get(str(model).lower(), model)
+    if model not in MODEL_NAMES.values():
+        raise ScreenError(f"unknown model {model!r}; choose one of {', '.join(MODEL_NAMES.values())}")
     if batch_size < 1:
         raise ScreenError(f"batch_size must be at least 1, got {batch_size!r}")
     if resume and output is None:
@@ -731,8 +684,8 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
             good = [i for i, m in enumerate(meta) if m[2] is None]
             fn, batches = _optimize_task, [good[s:s + 4] for s in range(0, len(good), 4)]
         tasks = [[items[i] for i in b] for b in batches if any(i not in sink.done for i in b)]
-        bar = _progress(total=n, initial=len(sink.done), desc=command, unit="structure",
-                        disable=not progress)
+        bar = _progress_bar(total=n, initial=len(sink.done), desc=command, unit="structure",
+                            disable=not progress)
         try:
             _execute(client, fn, spec, tasks, sink.write, bar, callback)
         finally:
@@ -762,43 +715,3 @@ def _finish(sink, items: list, spec: dict, output: tp.Optional[Path], indent, re
         return [_result(item, get(i), spec["command"]) for i, item in enumerate(items)]
     finally:
         get.close()
-
-
-def run_command(args) -> int:
-    """``torchani-fast energy|optimize`` with ``--scheduler`` or ``--workers``."""
-    from types import SimpleNamespace
-
-    from .cli import CLIError, _print_table
-
-    common = dict(client=None, scheduler=args.scheduler, workers=args.workers, model=args.model,
-                  dtype=args.dtype, device=args.device, index=args.index, resume=args.resume,
-                  progress=not args.no_progress)
-    try:
-        if args.command == "energy":
-            results = screen(args.files, "energy", forces=args.forces, hessians=args.hessians,
-                             batch_size=args.batch_size, output=args.output,
-                             indent=4 if args.output else None, **common)
-            if args.output is None:  # the JSON goes to stdout, as the local command's
-                spec = {"forces": args.forces or args.hessians, "hessians": args.hessians}
-                _write_energy(sys.stdout, results, results.__getitem__, spec, None)
-            else:
-                print(f"{len(results)} structure(s) -> {args.output}", file=sys.stderr)
-        else:
-            results = screen(args.files, "optimize", fmax=args.fmax, steps=args.steps,
-                             optimizer=args.optimizer, output=args.output, **common)
-            rows = [(r["file"], r["frame"], r["natoms"], r["steps"], r["converged"],
-                     r["energy_start"], r["energy_final"], r["fmax"], r["seconds"])
-                    for r in results if "error" not in r]
-            if rows:
-                _print_table(rows, SimpleNamespace(fmax=args.fmax, optimizer=args.optimizer,
-                                                   model=args.model, dtype=args.dtype,
-                                                   output=args.output))
-    except ScreenError as exc:
-        raise CLIError(str(exc)) from exc
-    failed = [r["error"] for r in results if "error" in r]
-    for message in failed:
-        print(f"torchani-fast {args.command}: failed: {message}", file=sys.stderr)
-    if failed:
-        print(f"{len(failed)} of {len(results)} structure(s) failed (reported in the output)",
-              file=sys.stderr)
-    return 0

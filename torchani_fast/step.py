@@ -34,9 +34,9 @@ from torch import Tensor
 
 from . import ops
 from .aev import AEVComputer, NeighborList
-from .nn import _FusedBase
-from .patch import _nnp, is_patched, kept_parts
-from .models import _forces, _require_tensors
+from .nn import FusedEnsemble, FusedNetworks
+from .evaluate import forces_of, require_tensors
+from .patch import is_patched, kept_parts, nnp_of
 from .validation import check_periodic_work
 
 __all__ = ["EnergyForcesStep"]
@@ -83,15 +83,15 @@ class EnergyForcesStep:
             raise NotImplementedError(
                 "EnergyForcesStep supports models with only the ANI potential; this model also has "
                 f"{extra} (evaluate it with model.energies_forces or the ASE calculator)")
-        nnp = _nnp(model)
+        nnp = nnp_of(model)
         if not isinstance(nnp.aev_computer, AEVComputer):
             raise NotImplementedError(
                 "EnergyForcesStep needs torchani_fast's AEV; this model keeps TorchANI's "
                 f"({kept_parts(model).get('AEV computer', type(nnp.aev_computer).__name__)})")
         nets = nnp.neural_networks
-        if not isinstance(nets, _FusedBase):
+        if not isinstance(nets, (FusedEnsemble, FusedNetworks)):
             raise TypeError("EnergyForcesStep needs the fused networks of a patched model")
-        _require_tensors(species=species, coords=coords, cell=cell, pbc=pbc)
+        require_tensors(species=species, coords=coords, cell=cell, pbc=pbc)
         if check_every < 0:
             raise ValueError(f"check_every must be >= 0, got {check_every}")
         if pbc is not None and not bool(pbc.any()):
@@ -134,7 +134,7 @@ class EnergyForcesStep:
     def _eager(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
         aev = self.aev_computer(self.elem, x, self.cell, self.pbc)
         energies = self.networks.energies_fixed(self.elem, aev, self.groups) + self.shift
-        return energies.detach(), _forces(energies, x)
+        return energies.detach(), forces_of(energies, x)
 
     def _warm_up(self, coords: Tensor, capture: bool) -> None:
         self._static_x = coords.detach().clone().requires_grad_(True)
@@ -142,7 +142,7 @@ class EnergyForcesStep:
             self._eager(self._static_x)
             self.check()
             # Keep the packed weights the step uses alive (see the module doc).
-            self._keep = list(self.networks._eager_cache.values())
+            self._keep = self.networks.packed_weights()
             return
         side = torch.cuda.Stream(device=coords.device)
         side.wait_stream(torch.cuda.current_stream(coords.device))
@@ -151,7 +151,7 @@ class EnergyForcesStep:
                 self._eager(self._static_x)
         torch.cuda.current_stream(coords.device).wait_stream(side)
         self.check()
-        self._keep = list(self.networks._eager_cache.values())
+        self._keep = self.networks.packed_weights()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._static_out = self._eager(self._static_x)
@@ -164,7 +164,7 @@ class EnergyForcesStep:
             return self.neighborlist.check_capacity()
 
     def __call__(self, coords: Tensor) -> tp.Tuple[Tensor, Tensor]:
-        _require_tensors(coords=coords)
+        require_tensors(coords=coords)
         if tuple(coords.shape) != self.shape:
             raise ValueError(f"coords must have the step's shape {self.shape}, got {tuple(coords.shape)}")
         if coords.dtype != self.dtype or coords.device != self.device:

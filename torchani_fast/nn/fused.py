@@ -598,6 +598,13 @@ class _FusedBase(AtomicContainer):
         return self._eager_cache
 
     @torch.jit.unused
+    def packed_weights(self) -> tp.List[tp.List[Tensor]]:
+        """The weight packs this eager module holds now: a caller that replays
+        kernels reading them (EnergyForcesStep's CUDA graph) keeps this list, so
+        that the memory stays theirs even if the module drops its cache."""
+        return list(self._eager_cache.values())
+
+    @torch.jit.unused
     def _eager_clear(self) -> None:
         self._eager_cache = {}
         self._eager_plans_clear()

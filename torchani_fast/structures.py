@@ -1,0 +1,191 @@
+"""Lists of ASE structures as model input: what the command line and the screening driver share.
+
+``torchani-fast energy|optimize`` (:mod:`torchani_fast.cli`) and
+:func:`torchani_fast.screen` (the same commands on Dask workers) check, batch and
+evaluate structures with these functions, so that a structure gets the same
+error message and the same bits either way:
+
+- :data:`MODEL_NAMES`, :func:`elements`, :data:`CUTOFFS`: the models by name and
+  what is known of them before their weights are loaded;
+- :func:`check_structure`: the elements, finite positions and a usable cell;
+- :func:`batch_key` and :func:`plan_batches`: which structures share a padded call;
+- :func:`evaluate_batch` and :func:`batch_results`: one call and its per-structure results;
+- :func:`optimizer_class`, :func:`frozen_copy`, :func:`progress`: the optimisation
+  and reporting pieces.
+"""
+import math
+import sys
+import typing as tp
+
+from . import evaluate
+
+__all__ = ["MODEL_NAMES", "CUTOFFS", "elements", "check_structure", "batch_key", "plan_batches",
+           "evaluate_batch", "batch_results", "optimizer_class", "frozen_copy", "progress"]
+
+#: The models' names in lower case -> as spelled by :data:`torchani_fast.models.MODELS`.
+MODEL_NAMES = {name.lower(): name for name in (
+    "ANI2x", "ANI1x", "ANI1ccx", "ANI1xnr", "ANI2xr", "ANI2dr", "ANImbis", "ANIr2s",
+    "ANIr2s_water", "ANIr2s_ch3cn", "ANIr2s_chcl3", "SnnANI2xr")}
+
+#: The models' neighbour cutoffs (Å): the largest of their potentials (ANI2dr's
+#: dispersion: 8.0; ANIr2s' repulsion has none), for the cell check before the
+#: model is loaded.
+CUTOFFS = {"ANI2x": 5.1, "ANI1x": 5.2, "ANI1ccx": 5.2, "ANI1xnr": 5.2, "ANI2xr": 5.2,
+           "ANI2dr": 8.0, "ANImbis": 5.1, "ANIr2s": math.inf, "ANIr2s_water": math.inf,
+           "ANIr2s_ch3cn": math.inf, "ANIr2s_chcl3": math.inf, "SnnANI2xr": 5.2}
+
+
+def elements(name: str) -> tp.Tuple[str, ...]:
+    """The element symbols model ``name`` covers (known without loading it)."""
+    from torchani.utils import SYMBOLS_1X, SYMBOLS_2X
+
+    return tuple(SYMBOLS_1X) if name in ("ANI1x", "ANI1ccx", "ANI1xnr") else tuple(SYMBOLS_2X)
+
+
+def check_structure(name: str, where: str, atoms) -> None:
+    """``ValueError`` starting with ``where`` ("file.xyz, frame 3") if model ``name``
+    cannot evaluate ``atoms``: no atoms, an element it does not cover
+    (:func:`torchani_fast.validation.check_elements`' message), non-finite
+    positions, or a cell the model refuses (a periodic system for a model
+    without cutoff, a zero or singular cell, one in nm)."""
+    import numpy as np
+    import torch
+    from ase.data import atomic_numbers
+
+    from .ase import periodic_cell
+    from .validation import check_elements, check_periodic_work
+
+    if len(atoms) == 0:
+        raise ValueError(f"{where}: no atoms")
+    check_elements(atoms.numbers, [atomic_numbers[s] for s in elements(name)], name, where=where)
+    finite = np.isfinite(atoms.positions).all(axis=1)
+    if not finite.all():
+        j = int(np.flatnonzero(~finite)[0])
+        raise ValueError(f"{where}: atom {j} has non-finite coordinates {atoms.positions[j].tolist()}")
+    if atoms.pbc.any():
+        if math.isinf(CUTOFFS[name]):
+            raise ValueError(f"{where}: {name} has a repulsion without cutoff, which is not defined "
+                             f"for periodic systems (pbc={atoms.pbc.tolist()})")
+        species = torch.as_tensor(atoms.numbers).unsqueeze(0)
+        coords = torch.as_tensor(atoms.positions, dtype=torch.float64).unsqueeze(0)
+        cell = torch.as_tensor(periodic_cell(atoms), dtype=torch.float64)
+        try:
+            check_periodic_work(species, coords, cell, torch.as_tensor(atoms.pbc), CUTOFFS[name])
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+def batch_key(atoms) -> tuple:
+    """Structures with equal keys (pbc and, if periodic, the cell) may share a call:
+    the model takes one cell per batch, as TorchANI does."""
+    return (tuple(bool(p) for p in atoms.pbc),
+            atoms.cell.array.tobytes() if atoms.pbc.any() else b"")
+
+
+def plan_batches(sizes: tp.Sequence[int], keys: tp.Sequence[tp.Hashable], batch_size: int,
+                 max_slots: int = 32768) -> tp.List[tp.List[int]]:
+    """Indices of the structures evaluated together, one padded model call each.
+
+    Structures share a call when their keys (:func:`batch_key`) are equal, in
+    the order the keys first appear. Within a key they are sorted by size
+    (stably), so little padding is needed, and a batch holds at most
+    ``batch_size`` structures and ``max_slots`` padded atoms. A key of ``None``
+    leaves the structure out (the screening driver's unreadable frames).
+    """
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    batches = []
+    for idxs in groups.values():
+        idxs.sort(key=lambda i: sizes[i])
+        batch: tp.List[int] = []
+        for i in idxs:
+            size = sizes[i]  # the largest so far, as sizes ascend
+            if batch and (len(batch) >= batch_size or (len(batch) + 1) * size > max_slots):
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            batches.append(batch)
+    return batches
+
+
+def evaluate_batch(model, batch: list, forces: bool, hessians: bool):
+    """Energies (M,), forces (M, A, 3) or None and Hessians (M, 3A, 3A) or None of a
+    batch of ASE Atoms (padded to the largest, one cell and pbc for all), on the
+    model's device and dtype, through :func:`torchani_fast.evaluate.energies_forces`
+    (or ``energies_forces_hessians``; energies only: one forward pass without
+    gradients). Raises ``NotImplementedError`` when the model has no Hessians."""
+    import torch
+
+    from .ase import periodic_cell
+
+    ref = evaluate.model_float(model)
+    amax = max(len(a) for a in batch)
+    species = torch.full((len(batch), amax), -1, dtype=torch.long)
+    coords = torch.zeros((len(batch), amax, 3), dtype=torch.float64)
+    for k, a in enumerate(batch):
+        species[k, :len(a)] = torch.from_numpy(a.numbers)
+        coords[k, :len(a)] = torch.from_numpy(a.positions)
+    species = species.to(ref.device)
+    first = batch[0]
+    cell = pbc = None
+    if first.pbc.any():
+        cell = torch.tensor(periodic_cell(first), dtype=ref.dtype, device=ref.device)
+        pbc = torch.tensor(first.pbc, dtype=torch.bool, device=ref.device)
+    if hessians:
+        e, f, h = evaluate.energies_forces_hessians(model, species, coords, cell, pbc)
+    elif forces:
+        e, f = evaluate.energies_forces(model, species, coords, cell, pbc)
+        h = None
+    else:  # energies only: no backward pass
+        with torch.no_grad():
+            x = coords.to(device=ref.device, dtype=ref.dtype)
+            e = model((species, x), cell=cell, pbc=pbc).energies
+        f = h = None
+    return e, f, h
+
+
+def batch_results(batch: list, e, f, h) -> tp.List[dict]:
+    """One dict per structure of ``batch`` from :func:`evaluate_batch`'s tensors:
+    ``energy`` (float, Ha), and where computed ``forces`` (A x 3 lists, Ha/Å) and
+    ``hessians`` (3A x 3A lists), without the padding atoms."""
+    e = e.cpu().double()
+    f = None if f is None else f.cpu().double()
+    out = []
+    for k, atoms in enumerate(batch):
+        a = len(atoms)
+        rec: dict = {"energy": float(e[k])}
+        if f is not None:
+            rec["forces"] = f[k, :a].tolist()
+        if h is not None:
+            rec["hessians"] = h[k, :3 * a, :3 * a].cpu().double().tolist()
+        out.append(rec)
+    return out
+
+
+def optimizer_class(name: str):
+    """ASE's optimiser class for ``name`` (BFGS, LBFGS or FIRE)."""
+    import ase.optimize
+
+    return {"BFGS": ase.optimize.BFGS, "LBFGS": ase.optimize.LBFGS, "FIRE": ase.optimize.FIRE}[name]
+
+
+def frozen_copy(atoms, results: dict):
+    """A copy of ``atoms`` carrying ``results`` (what extended XYZ writes)."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    out = atoms.copy()
+    out.calc = SinglePointCalculator(out, **{k: results[k] for k in ("energy", "forces", "stress")
+                                             if k in results})
+    return out
+
+
+def progress(iterable=None, **kwargs):
+    """A tqdm progress bar on stderr."""
+    from tqdm.auto import tqdm
+
+    kwargs.setdefault("file", sys.stderr)
+    kwargs.setdefault("dynamic_ncols", True)
+    return tqdm(iterable, **kwargs)

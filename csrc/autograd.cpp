@@ -7,6 +7,7 @@
 #include <torch/autograd.h>
 
 #include "ops.h"
+#include "pairpot/pairpot.h"
 
 namespace torchani_fast {
 namespace {
@@ -574,6 +575,158 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_autograd(
   at::AutoDispatchBelowADInplaceOrView guard;
   static const auto op = find_op<AevLocalDerivativesOp>("torchani_fast::aev_local_derivatives");
   return call_op(op, make_args(species, pairs, diff_vectors, p), grad_aev, columns);
+}
+
+// ---------------------------------------------------------------------------
+// repulsion_xtb / dispersion_d3: energies differentiable w.r.t. the distances
+// (the tables are buffers: constants). The forward keeps the per-pair factors
+// of the gradient (derivs); the backward is pair_energies_backward on them, or,
+// when it is itself recorded (create_graph=True), the differentiable ATen form
+// of the same gradient, which autograd differentiates for Hessians.
+// ---------------------------------------------------------------------------
+namespace {
+
+void save_pair_cutoff(AutogradContext* ctx, double a2b, const PairCutoff& c) {
+  ctx->saved_data["a2b"] = a2b;
+  ctx->saved_data["cutoff"] = c.cutoff;
+  ctx->saved_data["cut_kind"] = c.kind;
+  ctx->saved_data["cut_order"] = c.order;
+  ctx->saved_data["cut_eps"] = c.eps;
+}
+
+PairCutoff load_pair_cutoff(AutogradContext* ctx) {
+  return PairCutoff{ctx->saved_data["cutoff"].toDouble(), ctx->saved_data["cut_kind"].toInt(),
+                    ctx->saved_data["cut_order"].toInt(), ctx->saved_data["cut_eps"].toDouble()};
+}
+
+struct RepulsionTraits {
+  using Params = RepulsionParams;
+  static constexpr const char* kName = "torchani_fast::repulsion_xtb";
+  static void save(AutogradContext* ctx, const Params& p) {
+    ctx->saved_data["tables"] = std::vector<at::Tensor>{p.y_ab, p.sqrt_alpha_ab, p.k_rep_ab};
+    save_pair_cutoff(ctx, p.angstrom_to_bohr, p.cut);
+  }
+  static Params load(AutogradContext* ctx) {
+    const auto t = ctx->saved_data["tables"].toTensorVector();
+    return Params{t[0], t[1], t[2], ctx->saved_data["a2b"].toDouble(), load_pair_cutoff(ctx)};
+  }
+  static at::Tensor grad_aten(const at::Tensor& grad, const at::Tensor& elem,
+                              const at::Tensor& pairs, const at::Tensor& distances,
+                              const c10::optional<at::Tensor>& ghost, bool atomic,
+                              const Params& p) {
+    return repulsion_grad_aten(grad, elem, pairs, distances, ghost, atomic, p);
+  }
+};
+
+struct D3Traits {
+  using Params = D3Params;
+  static constexpr const char* kName = "torchani_fast::dispersion_d3";
+  static void save(AutogradContext* ctx, const Params& p) {
+    ctx->saved_data["tables"] = std::vector<at::Tensor>{
+        p.coeff6, p.coordnums_a, p.coordnums_b, p.covalent_radii, p.sqrt_charge_ab,
+        p.cutoff_radii};
+    ctx->saved_data["constants"] =
+        std::vector<double>{p.s6, p.s8, p.a1, p.a2, p.k1, p.k2, p.k3, p.eps};
+    save_pair_cutoff(ctx, p.angstrom_to_bohr, p.cut);
+  }
+  static Params load(AutogradContext* ctx) {
+    const auto t = ctx->saved_data["tables"].toTensorVector();
+    const auto c = ctx->saved_data["constants"].toDoubleVector();
+    return Params{t[0], t[1], t[2], t[3], t[4], t[5], c[0], c[1], c[2], c[3], c[4], c[5],
+                  c[6], c[7], ctx->saved_data["a2b"].toDouble(), load_pair_cutoff(ctx)};
+  }
+  static at::Tensor grad_aten(const at::Tensor& grad, const at::Tensor& elem,
+                              const at::Tensor& pairs, const at::Tensor& distances,
+                              const c10::optional<at::Tensor>& ghost, bool atomic,
+                              const Params& p) {
+    return d3_grad_aten(grad, elem, pairs, distances, ghost, atomic, p);
+  }
+};
+
+template <typename Tr>
+std::tuple<at::Tensor, at::Tensor> call_pair_potential(
+    const at::Tensor& elem, const at::Tensor& pairs, const at::Tensor& distances,
+    const c10::optional<at::Tensor>& ghost, bool atomic, bool derivatives,
+    const typename Tr::Params& p) {
+  using Op = PairPotentialOp<typename Tr::Params>;
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(Tr::kName, "").template typed<typename Op::Schema>();
+  return Op::call(op, elem, pairs, distances, ghost, atomic, derivatives, p);
+}
+
+template <typename Tr>
+class PairPotentialFunction : public torch::autograd::Function<PairPotentialFunction<Tr>> {
+ public:
+  static tensor_list forward(AutogradContext* ctx, const at::Tensor& elem,
+                             const at::Tensor& pairs, const at::Tensor& distances,
+                             const c10::optional<at::Tensor>& ghost, bool atomic,
+                             bool derivatives, const typename Tr::Params& p) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [energies, derivs] = call_pair_potential<Tr>(elem, pairs, distances, ghost, atomic,
+                                                      true, p);
+    ctx->save_for_backward({elem, pairs, distances, ghost.value_or(at::Tensor())});
+    ctx->saved_data["derivs"] = derivs;
+    ctx->saved_data["atomic"] = atomic;
+    Tr::save(ctx, p);
+    // derivs is returned only when asked for (the op's contract), never differentiable.
+    at::Tensor shown = derivatives ? derivs : derivs.new_empty({0, derivs.size(1)});
+    ctx->mark_non_differentiable({shown});
+    return {energies, shown};
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    tensor_list out(7);
+    if (!ctx->needs_input_grad(2)) return out;
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& elem = saved[0];
+    const at::Tensor& pairs = saved[1];
+    const bool atomic = ctx->saved_data["atomic"].toBool();
+    const at::Tensor& grad = grads[0];  // (materialized: zeros when unused)
+    if (at::GradMode::is_enabled()) {
+      // create_graph=True: a recorded, differentiable gradient.
+      const c10::optional<at::Tensor> ghost =
+          saved[3].defined() ? c10::optional<at::Tensor>(saved[3]) : c10::nullopt;
+      out[2] = Tr::grad_aten(grad, elem, pairs, saved[2], ghost, atomic, Tr::load(ctx));
+    } else {
+      static const auto op = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("torchani_fast::pair_energies_backward", "")
+                                 .typed<decltype(pair_energies_backward_cpu)>();
+      out[2] = op.call(grad, ctx->saved_data["derivs"].toTensor(), pairs, elem, atomic);
+    }
+    return out;
+  }
+};
+
+template <typename Tr>
+std::tuple<at::Tensor, at::Tensor> pair_potential_autograd(
+    const at::Tensor& elem, const at::Tensor& pairs, const at::Tensor& distances,
+    const c10::optional<at::Tensor>& ghost, bool atomic, bool derivatives,
+    const typename Tr::Params& p) {
+  if (!(at::GradMode::is_enabled() && distances.requires_grad())) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_pair_potential<Tr>(elem, pairs, distances, ghost, atomic, derivatives, p);
+  }
+  const tensor_list out =
+      PairPotentialFunction<Tr>::apply(elem, pairs, distances, ghost, atomic, derivatives, p);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> repulsion_xtb_autograd(
+    const at::Tensor& elem_idxs, const at::Tensor& pairs, const at::Tensor& distances,
+    const c10::optional<at::Tensor>& ghost_flags, bool atomic, bool derivatives,
+    const RepulsionParams& p) {
+  return pair_potential_autograd<RepulsionTraits>(elem_idxs, pairs, distances, ghost_flags,
+                                                  atomic, derivatives, p);
+}
+
+std::tuple<at::Tensor, at::Tensor> dispersion_d3_autograd(
+    const at::Tensor& elem_idxs, const at::Tensor& pairs, const at::Tensor& distances,
+    const c10::optional<at::Tensor>& ghost_flags, bool atomic, bool derivatives,
+    const D3Params& p) {
+  return pair_potential_autograd<D3Traits>(elem_idxs, pairs, distances, ghost_flags, atomic,
+                                           derivatives, p);
 }
 
 }  // namespace torchani_fast

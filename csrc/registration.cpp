@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "pairpot/pairpot.h"
 #include "schemas.h"
 #include "common/simd_math.h"
 
@@ -44,7 +45,8 @@ TORCH_LIBRARY(torchani_fast, m) {
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevWithEdges, kAevBackwardEdges, kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
         kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kWeightsState, kGroupAtoms,
-        kFirstInvalidAtom, kValidCell, kConvertSpecies, kSimdActivation, kSimdErf}) {
+        kFirstInvalidAtom, kValidCell, kConvertSpecies, kSimdActivation, kSimdErf,
+        kRepulsionXtb, kDispersionD3, kPairEnergiesBackward}) {
     m.def(schema);
   }
 }
@@ -72,6 +74,9 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("first_invalid_atom", &first_invalid_atom_cpu);
   m.impl("valid_cell", &valid_cell_cpu);
   m.impl("convert_species", &convert_species_cpu);
+  m.impl("repulsion_xtb", &PairPotentialOp<RepulsionParams>::flat<&repulsion_xtb_cpu>);
+  m.impl("dispersion_d3", &PairPotentialOp<D3Params>::flat<&dispersion_d3_cpu>);
+  m.impl("pair_energies_backward", &pair_energies_backward_cpu);
 }
 
 // Reads tensor metadata only: one kernel for every device, above autograd.
@@ -107,6 +112,8 @@ TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
   m.impl("aev_local_derivatives", &AevLocalDerivativesOp::flat<&aev_local_derivatives_autograd>);
   m.impl("ensemble_atomic", &ensemble_atomic_autograd);
   m.impl("ensemble_energies", &ensemble_energies_autograd);
+  m.impl("repulsion_xtb", &PairPotentialOp<RepulsionParams>::flat<&repulsion_xtb_autograd>);
+  m.impl("dispersion_d3", &PairPotentialOp<D3Params>::flat<&dispersion_d3_autograd>);
 }
 
 // `from torchani_fast import _C` runs the static registrations above; the module

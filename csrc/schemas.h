@@ -64,6 +64,23 @@ constexpr const char* kValidCell = "valid_cell(Tensor cell, Tensor pbc) -> bool"
 constexpr const char* kConvertSpecies =
     "convert_species(Tensor atomic_nums, Tensor conv) -> (Tensor elem_idxs, int first_invalid)";
 
+// Pair potentials (ops.h, pairpot/pairpot.h).
+constexpr const char* kRepulsionXtb =
+    "repulsion_xtb(Tensor elem_idxs, Tensor pairs, Tensor distances, Tensor? ghost_flags, "
+    "bool atomic, Tensor y_ab, Tensor sqrt_alpha_ab, Tensor k_rep_ab, float angstrom_to_bohr, "
+    "float cutoff, int cutoff_kind, int cutoff_order, float cutoff_eps, "
+    "bool derivatives=False) -> (Tensor energies, Tensor derivs)";
+constexpr const char* kDispersionD3 =
+    "dispersion_d3(Tensor elem_idxs, Tensor pairs, Tensor distances, Tensor? ghost_flags, "
+    "bool atomic, Tensor coeff6, Tensor coordnums_a, Tensor coordnums_b, Tensor covalent_radii, "
+    "Tensor sqrt_charge_ab, Tensor cutoff_radii, float s6, float s8, float a1, float a2, "
+    "float k1, float k2, float k3, float eps, float angstrom_to_bohr, float cutoff, "
+    "int cutoff_kind, int cutoff_order, float cutoff_eps, bool derivatives=False) -> "
+    "(Tensor energies, Tensor derivs)";
+constexpr const char* kPairEnergiesBackward =
+    "pair_energies_backward(Tensor grad_energies, Tensor derivs, Tensor pairs, "
+    "Tensor elem_idxs, bool atomic) -> Tensor";
+
 }  // namespace torchani_fast::schema
 
 #undef TORCHANI_FAST_AEV_ARGS

@@ -399,3 +399,164 @@ def _group_atoms_fake(elem_idxs, num_species, aev=None, radial_sublen=0, split_m
     ctx = torch.library.get_ctx()
     atoms = elem_idxs.new_empty((ctx.new_dynamic_size(),), dtype=torch.long)
     return atoms, elem_idxs.new_empty((ctx.new_dynamic_size(), 3), dtype=torch.long)
+
+
+# -- pair potentials (csrc/pairpot) ----------------------------------------------------------
+__all__ += ["repulsion_xtb", "dispersion_d3", "pair_energies_backward"]
+
+# cutoff_kind of the pair-potential ops: the potential's envelope (csrc/pairpot/pairpot.h).
+PAIR_CUTOFF_COSINE = 0
+PAIR_CUTOFF_SMOOTH = 1
+PAIR_CUTOFF_NONE = 2
+
+
+def repulsion_xtb(
+    elem_idxs: Tensor,
+    pairs: Tensor,
+    distances: Tensor,
+    ghost_flags: tp.Optional[Tensor],
+    atomic: bool,
+    y_ab: Tensor,
+    sqrt_alpha_ab: Tensor,
+    k_rep_ab: Tensor,
+    angstrom_to_bohr: float,
+    cutoff: float,
+    cutoff_kind: int,
+    cutoff_order: int = 2,
+    cutoff_eps: float = 1e-10,
+    derivatives: bool = False,
+) -> tp.Tuple[Tensor, Tensor]:
+    """TorchANI's xTB repulsion (``RepulsionXTB``) summed over neighbour pairs (CPU).
+
+    Parameters
+    ----------
+    elem_idxs : Tensor, int64 or int32, shape (M, A)
+        Element indices; -1 marks padding (its pairs are ignored).
+    pairs : Tensor, int64, shape (2, P)
+        Indices into the flattened ``M * A`` atoms; pairs with a negative index
+        (unused slots) are ignored.
+    distances : Tensor, float32 or float64, shape (P,)
+        The pairs' distances in Å; differentiable (first and second derivatives).
+        Pairs farther apart than ``cutoff`` are ignored.
+    ghost_flags : Tensor, bool, (M, A), optional
+        A pair touching a ghost atom counts half (TorchANI's convention).
+    atomic : bool
+        Return atomic energies (each pair's energy split evenly between its atoms).
+    y_ab, sqrt_alpha_ab, k_rep_ab : Tensor, (T, T)
+        The potential's buffers.
+    angstrom_to_bohr : float
+        TorchANI's conversion factor (the potential works in bohr).
+    cutoff, cutoff_kind, cutoff_order, cutoff_eps
+        The potential's own cutoff and envelope: ``PAIR_CUTOFF_COSINE``,
+        ``PAIR_CUTOFF_SMOOTH`` (``CutoffSmooth(order, eps)``) or
+        ``PAIR_CUTOFF_NONE`` (``CutoffDummy``, for ``cutoff=inf``).
+    derivatives : bool
+        Also return the per-pair factors of the gradient (what the backward reads).
+
+    Returns
+    -------
+    energies : Tensor, (M,) or with ``atomic`` (M, A), in Hartree
+    derivs : Tensor, (P, 1) with ``derivatives``, else (0, 1)
+    """
+    return torch.ops.torchani_fast.repulsion_xtb(
+        elem_idxs, pairs, distances, ghost_flags, atomic, y_ab, sqrt_alpha_ab, k_rep_ab,
+        angstrom_to_bohr, cutoff, cutoff_kind, cutoff_order, cutoff_eps, derivatives,
+    )
+
+
+def dispersion_d3(
+    elem_idxs: Tensor,
+    pairs: Tensor,
+    distances: Tensor,
+    ghost_flags: tp.Optional[Tensor],
+    atomic: bool,
+    coeff6: Tensor,
+    coordnums_a: Tensor,
+    coordnums_b: Tensor,
+    covalent_radii: Tensor,
+    sqrt_charge_ab: Tensor,
+    cutoff_radii: Tensor,
+    s6: float,
+    s8: float,
+    a1: float,
+    a2: float,
+    k1: float,
+    k2: float,
+    k3: float,
+    eps: float,
+    angstrom_to_bohr: float,
+    cutoff: float,
+    cutoff_kind: int,
+    cutoff_order: int = 2,
+    cutoff_eps: float = 1e-10,
+    derivatives: bool = False,
+) -> tp.Tuple[Tensor, Tensor]:
+    """TorchANI's two-body D3(BJ) dispersion (``TwoBodyDispersionD3``) over neighbour pairs (CPU).
+
+    ``elem_idxs``, ``pairs``, ``distances``, ``ghost_flags``, ``atomic``,
+    ``angstrom_to_bohr``, the cutoff arguments and ``derivatives`` are as for
+    :func:`repulsion_xtb`; the coordination numbers count the pairs given
+    (within ``cutoff``), without envelope, as TorchANI does.
+
+    Parameters
+    ----------
+    coeff6, coordnums_a, coordnums_b : Tensor, (T, T, R, R)
+        ``precalc_coeff6``, ``precalc_coordnums_a`` and ``precalc_coordnums_b``;
+        the reference grid must be a product grid
+        (:func:`torchani_fast.potentials.d3_unsupported_reason`).
+    covalent_radii : Tensor, (T,)
+        In bohr, as the potential keeps them.
+    sqrt_charge_ab, cutoff_radii : Tensor, (T, T)
+        ``sqrt_charge_ab`` and ``_damp_fn.cutoff_radii``.
+    s6, s8, a1, a2, k1, k2, k3, eps : float
+        The functional's and D3's constants (``_s6``, ``_s8``, ``_damp_fn._a1``,
+        ``_damp_fn._a2``, ``_k1``, ``_k2``, ``_k3``, ``_eps``).
+
+    Returns
+    -------
+    energies : Tensor, (M,) or with ``atomic`` (M, A), in Hartree
+    derivs : Tensor, (P, 4) with ``derivatives``, else (0, 4)
+    """
+    return torch.ops.torchani_fast.dispersion_d3(
+        elem_idxs, pairs, distances, ghost_flags, atomic, coeff6, coordnums_a, coordnums_b,
+        covalent_radii, sqrt_charge_ab, cutoff_radii, s6, s8, a1, a2, k1, k2, k3, eps,
+        angstrom_to_bohr, cutoff, cutoff_kind, cutoff_order, cutoff_eps, derivatives,
+    )
+
+
+def pair_energies_backward(grad_energies: Tensor, derivs: Tensor, pairs: Tensor, elem_idxs: Tensor,
+                           atomic: bool) -> Tensor:
+    """Gradient (P,) w.r.t. the distances of ``sum(grad_energies * energies)`` from the
+    ``derivs`` that :func:`repulsion_xtb` or :func:`dispersion_d3` returned (not differentiable)."""
+    return torch.ops.torchani_fast.pair_energies_backward(grad_energies, derivs, pairs, elem_idxs,
+                                                          atomic)
+
+
+def _pair_potential_fake(elem_idxs, pairs, distances, atomic, derivatives, columns):
+    torch._check(elem_idxs.dim() == 2, lambda: "elem_idxs must be (M, A)")
+    torch._check(pairs.dim() == 2 and pairs.shape[0] == 2, lambda: "pairs must be (2, P)")
+    torch._check(distances.shape == (pairs.shape[1],), lambda: "distances must be (P,)")
+    shape = tuple(elem_idxs.shape) if atomic else (elem_idxs.shape[0],)
+    return distances.new_empty(shape), distances.new_empty(
+        (pairs.shape[1] if derivatives else 0, columns))
+
+
+@torch.library.register_fake("torchani_fast::repulsion_xtb")
+def _repulsion_xtb_fake(elem_idxs, pairs, distances, ghost_flags, atomic, y_ab, sqrt_alpha_ab,
+                        k_rep_ab, angstrom_to_bohr, cutoff, cutoff_kind, cutoff_order, cutoff_eps,
+                        derivatives=False):
+    return _pair_potential_fake(elem_idxs, pairs, distances, atomic, derivatives, 1)
+
+
+@torch.library.register_fake("torchani_fast::dispersion_d3")
+def _dispersion_d3_fake(elem_idxs, pairs, distances, ghost_flags, atomic, coeff6, coordnums_a,
+                        coordnums_b, covalent_radii, sqrt_charge_ab, cutoff_radii, s6, s8, a1, a2,
+                        k1, k2, k3, eps, angstrom_to_bohr, cutoff, cutoff_kind, cutoff_order,
+                        cutoff_eps, derivatives=False):
+    return _pair_potential_fake(elem_idxs, pairs, distances, atomic, derivatives, 4)
+
+
+@torch.library.register_fake("torchani_fast::pair_energies_backward")
+def _pair_energies_backward_fake(grad_energies, derivs, pairs, elem_idxs, atomic):
+    torch._check(derivs.shape[0] == pairs.shape[1], lambda: "derivs must be (P, K)")
+    return derivs.new_empty((pairs.shape[1],))

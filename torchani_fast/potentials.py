@@ -19,17 +19,24 @@ the potential's cutoff as TorchANI does) and with the same formulas:
   grid become ``sum_b (u_i C)[s_j, b] v_j[b]`` with ``u_i C`` formed once per
   atom and partner element. The result differs from TorchANI's by rounding only.
 
-Everything is ATen in TorchScript, so forces, stress (through the pair vectors),
-second derivatives (Hessians) and ``torch.jit.save`` work as before.
+On the CPU both run as one C++ op each (``ops.repulsion_xtb``,
+``ops.dispersion_d3``, csrc/pairpot), with C++ autograd: forces and stress
+(through the pair vectors) from per-pair factors kept by the forward, second
+derivatives (Hessians, ``create_graph=True``) through a differentiable ATen form
+of the gradient. Other devices (and envelopes other than TorchANI's smooth,
+cosine and none) run the ATen code below; both work in TorchScript and survive
+``torch.jit.save``.
 """
 import typing as tp
 
 import torch
 from torch import Tensor
+from torchani.cutoffs import CutoffCosine, CutoffDummy, CutoffSmooth
 from torchani.neighbors import Neighbors
 from torchani.potentials import RepulsionXTB, TwoBodyDispersionD3
 from torchani.tuples import EnergiesScalars
 
+from . import ops
 from .aev import NeighborList
 
 __all__ = ["FastRepulsionXTB", "FastDispersionD3", "UnboundedNeighborList", "speed_up",
@@ -40,8 +47,6 @@ def _sum_pairs(pair_energies: Tensor, elem_idxs: Tensor, neighbors: Neighbors, a
                ghost_flags: tp.Optional[Tensor]) -> EnergiesScalars:
     """TorchANI's ``BasePairPotential.compute_from_neighbors`` after the pair energies."""
     if ghost_flags is not None:
-        if not ghost_flags.numel() == elem_idxs.numel():
-            raise ValueError("ghost_flags and species should have the same number of elements")
         ghost12 = ghost_flags.view(-1)[neighbors.indices]
         ghost_mask = torch.logical_or(ghost12[0], ghost12[1])
         pair_energies = torch.where(ghost_mask, pair_energies * 0.5, pair_energies)
@@ -58,16 +63,40 @@ def _sum_pairs(pair_energies: Tensor, elem_idxs: Tensor, neighbors: Neighbors, a
     return EnergiesScalars(energies)
 
 
-def _check(elem_idxs: Tensor, neighbors: Neighbors) -> None:
-    # TorchANI's _pair_energies_wrapper asserts these.
+def _check(elem_idxs: Tensor, neighbors: Neighbors, ghost_flags: tp.Optional[Tensor]) -> None:
+    # TorchANI's _pair_energies_wrapper asserts and raises these.
     assert elem_idxs.ndim == 2, "species should be 2 dimensional"
     assert neighbors.distances.ndim == 1, "distances should be 1 dimensional"
     assert neighbors.indices.ndim == 2, "atom_index12 should be 2 dimensional"
     assert neighbors.distances.shape[0] == neighbors.indices.shape[1]
+    if ghost_flags is not None and not ghost_flags.numel() == elem_idxs.numel():
+        raise ValueError("ghost_flags and species should have the same number of elements")
+
+
+def _cutoff_args(cutoff_fn: torch.nn.Module) -> tp.Tuple[int, int, float]:
+    """The ops' (cutoff_kind, cutoff_order, cutoff_eps) of a potential's envelope;
+    kind -1 for one the ops do not have (the ATen code then runs)."""
+    if type(cutoff_fn) is CutoffSmooth:
+        return ops.PAIR_CUTOFF_SMOOTH, int(cutoff_fn.order), float(cutoff_fn.eps)
+    if type(cutoff_fn) is CutoffCosine:
+        return ops.PAIR_CUTOFF_COSINE, 2, 1e-10
+    if type(cutoff_fn) is CutoffDummy:
+        return ops.PAIR_CUTOFF_NONE, 2, 1e-10
+    return -1, 2, 1e-10
+
+
+def _use_op(kind: int, neighbors: Neighbors) -> bool:
+    d = neighbors.distances
+    return kind >= 0 and d.device.type == "cpu" and (d.dtype == torch.float32 or d.dtype == torch.float64)
 
 
 class FastRepulsionXTB(RepulsionXTB):
     """``torchani.potentials.RepulsionXTB`` evaluated with fewer operations (same values)."""
+
+    # The envelope as the op's arguments (set by speed_up; kind -1: the ATen code).
+    fast_cutoff_kind: int
+    fast_cutoff_order: int
+    fast_cutoff_eps: float
 
     def compute_from_neighbors(
         self,
@@ -79,7 +108,14 @@ class FastRepulsionXTB(RepulsionXTB):
         ensemble_values: bool = False,
         ghost_flags: tp.Optional[Tensor] = None,
     ) -> EnergiesScalars:
-        _check(elem_idxs, neighbors)
+        _check(elem_idxs, neighbors, ghost_flags)
+        if _use_op(self.fast_cutoff_kind, neighbors):
+            energies, _ = ops.repulsion_xtb(
+                elem_idxs, neighbors.indices, neighbors.distances, ghost_flags, atomic,
+                self.y_ab, self.sqrt_alpha_ab, self.k_rep_ab, self.ANGSTROM_TO_BOHR, self.cutoff,
+                self.fast_cutoff_kind, self.fast_cutoff_order, self.fast_cutoff_eps,
+            )
+            return EnergiesScalars(energies)
         num_elem = self.y_ab.shape[0]
         flat = elem_idxs.view(-1)
         pair = flat[neighbors.indices[0]] * num_elem + flat[neighbors.indices[1]]
@@ -101,6 +137,10 @@ class FastRepulsionXTB(RepulsionXTB):
 class FastDispersionD3(TwoBodyDispersionD3):
     """``torchani.potentials.TwoBodyDispersionD3`` with the C6 interpolation factorised per atom."""
 
+    fast_cutoff_kind: int  # as for FastRepulsionXTB
+    fast_cutoff_order: int
+    fast_cutoff_eps: float
+
     def compute_from_neighbors(
         self,
         elem_idxs: Tensor,
@@ -111,7 +151,18 @@ class FastDispersionD3(TwoBodyDispersionD3):
         ensemble_values: bool = False,
         ghost_flags: tp.Optional[Tensor] = None,
     ) -> EnergiesScalars:
-        _check(elem_idxs, neighbors)
+        _check(elem_idxs, neighbors, ghost_flags)
+        if _use_op(self.fast_cutoff_kind, neighbors):
+            damp = self._damp_fn
+            energies, _ = ops.dispersion_d3(
+                elem_idxs, neighbors.indices, neighbors.distances, ghost_flags, atomic,
+                self.precalc_coeff6, self.precalc_coordnums_a, self.precalc_coordnums_b,
+                self.covalent_radii, self.sqrt_charge_ab, damp.cutoff_radii, self._s6, self._s8,
+                damp._a1, damp._a2, float(self._k1), self._k2, float(self._k3), self._eps,
+                self.ANGSTROM_TO_BOHR, self.cutoff, self.fast_cutoff_kind, self.fast_cutoff_order,
+                self.fast_cutoff_eps,
+            )
+            return EnergiesScalars(energies)
         flat = elem_idxs.view(-1)
         n = flat.shape[0]
         num_elem = self.precalc_coeff6.shape[0]
@@ -223,4 +274,6 @@ def speed_up(pot: torch.nn.Module) -> tp.Optional[str]:
         if reason is not None:
             return reason
         pot.__class__ = FastDispersionD3
+    if type(pot) in (FastRepulsionXTB, FastDispersionD3):
+        pot.fast_cutoff_kind, pot.fast_cutoff_order, pot.fast_cutoff_eps = _cutoff_args(pot.cutoff_fn)
     return None

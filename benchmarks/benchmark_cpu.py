@@ -1,4 +1,4 @@
-"""Side-by-side CPU benchmark: TorchANI 2.9 vs torchani_fast (ANI-2x, float32).
+"""Side-by-side CPU benchmark: TorchANI 2.9 vs torchani_fast (ANI-2x, float32 or float64).
 
 Times one energy+forces evaluation (``autograd.grad`` of the summed energy) of
 
@@ -24,14 +24,14 @@ GFLOP/s counts only the networks' multiply-adds that cannot be skipped: layer 1
 restricted to the AEV columns of the elements present ("zero-block aware"),
 forward plus the input-gradient backward (2 x 2 x MACs). It is divided by the
 whole call's time (AEV, neighbour list and Python included) and compared with
-this machine's SGEMM peak, measured here on 2048^2 float32 as the better of
-``torch.mm`` (MKL) and oneDNN's linear (see ``sgemm_peak``);
+this machine's GEMM peak, measured here on 2048^2 matrices of the benchmark's
+dtype as the better of ``torch.mm`` (MKL) and oneDNN's linear (see ``sgemm_peak``);
 "nets alone" divides it by the networks stage's own time (forward + backward
 of the networks, timed without the AEV).
 
 The two "ceiling" columns bound what faster network kernels alone could give:
 the call's time with the networks stage (timed alone) replaced by its FLOPs at
-the SGEMM peak, everything else (AEV, neighbour list, Python) as measured. A
+the GEMM peak, everything else (AEV, neighbour list, Python) as measured. A
 target above the ceiling needs a faster AEV or less overhead, not faster
 networks.
 
@@ -43,7 +43,10 @@ Never part of the tests or CI. Usage::
     python benchmarks/benchmark_cpu.py --profile        # + torch.profiler table (1hz5, fast)
     python benchmarks/benchmark_cpu.py --contention 2   # beside 2 busy processes of its own
     python benchmarks/benchmark_cpu.py --model ANI2dr   # another torchani.models factory
+    python benchmarks/benchmark_cpu.py --dtype float64  # both implementations in float64
 
+``--dtype float64`` runs TorchANI and torchani_fast both in float64 (models,
+coordinates and cells; the GEMM peak is DGEMM's); the default is float32.
 ``--model NAME`` times any ``torchani.models`` factory (ANI2xr, ANI2dr, ANImbis,
 ...) instead of ANI-2x. Their published weights cannot be downloaded here, so
 those models get TorchANI's exact architecture with seeded random weights
@@ -112,8 +115,9 @@ def water_grid(per_side=10, spacing=3.104, seed=0):
     return np.array(numbers), np.concatenate(positions)
 
 
-def load_system(source, dtype=torch.float32):
-    """(species (1, N), coords (1, N, 3), cell or None, pbc or None)."""
+def load_system(source, dtype=None):
+    """(species (1, N), coords (1, N, 3), cell or None, pbc or None), in ``dtype`` (default: --dtype)."""
+    dtype = dtype or DTYPE
     cell = pbc = None
     if source == "water-grid":
         numbers, positions = water_grid()
@@ -136,24 +140,25 @@ def load_system(source, dtype=torch.float32):
 # -- implementations -------------------------------------------------------------------------
 
 MODEL = "ANI2x"  # --model
+DTYPE = torch.float32  # --dtype
 
 
 def base_model(name=None):
-    """TorchANI's model ``name`` (float32): published weights for ANI-2x, else random ones."""
+    """TorchANI's model ``name`` in --dtype: published weights for ANI-2x, else random ones."""
     import torchani
 
     name = name or MODEL
     if name == "ANI2x":
-        return torchani.models.ANI2x()
+        return torchani.models.ANI2x().to(DTYPE)
     from torchani_fast.testing import random_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return random_model(name, seed=0)
+        return random_model(name, seed=0).to(DTYPE)
 
 
 def build(impl, base=None):
-    """The model for ``impl`` (float32), or raise with TorchANI's own error."""
+    """The model for ``impl`` (in --dtype), or raise with TorchANI's own error."""
     import torchani_fast
 
     model = copy.deepcopy(base) if base is not None else base_model()
@@ -180,7 +185,7 @@ def energy_forces(model, species, coords, cell, pbc):
 # -- measurements ------------------------------------------------------------------------------
 
 def sgemm_peak(n=2048, tries=20):
-    """Float32 GEMM rate (GFLOP/s) of each SGEMM inside torch; the roofline is the best.
+    """GEMM rate (GFLOP/s, --dtype) of each GEMM inside torch; the roofline is the best.
 
     torch.mm calls MKL, which on AMD CPUs runs its AVX2 code even where AVX-512 is
     there (Zen 5, 2 cores: 200-233 GFLOP/s, against 457-521 for oneDNN's SGEMM
@@ -188,7 +193,7 @@ def sgemm_peak(n=2048, tries=20):
     features. Taking the better of the two, no machine's peak is set by a vendor
     check.
     """
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=DTYPE), torch.randn(n, n, dtype=DTYPE)
     gemms = {"torch.mm (MKL)": lambda: a @ b}
     if torch.backends.mkldnn.is_available():
         am, bm = a.to_mkldnn(), b.t().contiguous().to_mkldnn()
@@ -380,7 +385,8 @@ def peak_rss_mb():
 def measure_rss(impls, systems, threads, quick):
     result = {}
     for impl in impls:
-        cmd = [sys.executable, __file__, "--rss-child", impl, "--threads", str(threads), "--model", MODEL]
+        cmd = [sys.executable, __file__, "--rss-child", impl, "--threads", str(threads), "--model", MODEL,
+               "--dtype", str(DTYPE).replace("torch.", "")]
         cmd += ["--quick"] if quick else []
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RSS ")]
@@ -451,28 +457,30 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
     impls = [i for i in IMPLS if any(i in r["ms"] for r in rows)]
     begin, end = markers(contention)
     weights = "" if MODEL == "ANI2x" else " (TorchANI's architecture, seeded random weights)"
-    title = f"## CPU: energy + forces, {MODEL}{weights}, float32"
+    dtype = str(DTYPE).replace("torch.", "")
+    title = f"## CPU: energy + forces, {MODEL}{weights}, {dtype}"
     if contention:
         title += f", beside {contention} busy processes"
         noisy = ""  # the load is the point
     out = [begin, title, "",
            f"- Date: {now}", f"- Machine: {machine_description(threads)}",
            f"- Load average (1 min) before/after: {load_before:.2f} / {load_after:.2f}" + noisy,
-           f"- Measured SGEMM peak (2048^2 float32, {threads} threads, the better of): "
+           f"- Measured GEMM peak (2048^2 {dtype}, {threads} threads, the better of): "
            + ", ".join(f"{name} {rate:.1f}" for name, rate in peaks.items()) + " GFLOP/s",
            f"- Command: `python benchmarks/benchmark_cpu.py --threads {threads}{' --quick' if quick else ''}"
            + (f" --model {MODEL}" if MODEL != "ANI2x" else "")
+           + (f" --dtype {dtype}" if DTYPE != torch.float32 else "")
            + (f" --contention {contention}`" if contention else "`"),
            *([f"- Contention: {contention} processes of the benchmark's own, one busy loop each, ran "
               "throughout the timing (started before, stopped after)"] if contention else []),
            "", "Median wall time per call in ms (rounds interleaved, each in a shuffled order); speedup = torchani / fast. "
            "AEV and nets: torchani_fast's two stages timed alone (forward + backward); "
            "nets alone: the network GFLOP over the nets stage's time. "
-           "Ceiling: the call with the nets stage replaced by its FLOPs at the SGEMM peak, the rest as measured "
+           "Ceiling: the call with the nets stage replaced by its FLOPs at the GEMM peak, the rest as measured "
            "(the most that faster network kernels alone could give). "
            "load: 1-minute load average after the row, this benchmark's own threads included.", ""]
     head = ("| system | atoms | " + " | ".join(impls) + " | speedup vs torchani | vs infer | fast-jit speedup"
-            " | net GFLOP | fast GFLOP/s | % of SGEMM peak | fast AEV ms | fast nets ms | nets alone: % of peak"
+            " | net GFLOP | fast GFLOP/s | % of GEMM peak | fast AEV ms | fast nets ms | nets alone: % of peak"
             " | ceiling: speedup | ceiling: % of peak | load |")
     if any("pairs_ms" in r for r in rows):
         head = head[:-len(" load |")] + " pair potentials ms | pair share of fast | load |"
@@ -488,7 +496,7 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
         pct = f"{100 * gf / ms['fast'] * 1e3 / peak:.0f}%" if gf and "fast" in ms else "-"
         nets_pct = ceil_sp = ceil_pct = "-"
         if gf and "fast" in ms and "nets_ms" in r:
-            # The call with the networks at the SGEMM peak, the rest as measured.
+            # The call with the networks at the GEMM peak, the rest as measured.
             nets_pct = f"{100 * gf / r['nets_ms'] * 1e3 / peak:.0f}%"
             best_ms = max(ms["fast"] - r["nets_ms"], 0.0) + gf / peak * 1e3
             ceil_pct = f"{100 * gf / best_ms * 1e3 / peak:.0f}%"
@@ -500,7 +508,7 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
                    + (f" | {r['pairs_ms']:.2f} | {100 * r['pairs_ms'] / ms['fast']:.0f}%"
                       if "pairs_ms" in r and "fast" in ms else (" | - | -" if "pair potentials" in head else ""))
                    + f" | {r.get('load', 0):.1f} |")
-    out += ["", "Largest |ΔE| (Ha) and |ΔF| (Ha/Å) of fast vs torchani, float32: "
+    out += ["", f"Largest |ΔE| (Ha) and |ΔF| (Ha/Å) of fast vs torchani, {dtype}: "
             + ", ".join(f"{r['system']}: {r['dE']:.1e} / {r['dF']:.1e}" for r in rows if "dE" in r), ""]
     kept = kept_report()
     if kept:
@@ -526,6 +534,7 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
 def markers(contention=0):
     """The RESULTS.md markers of this benchmark's section (one per model and contention level)."""
     tag = "" if MODEL == "ANI2x" else f" {MODEL}"
+    tag += " float64" if DTYPE == torch.float64 else ""
     tag += f", contention {contention}" if contention else ""
     if not tag:
         return RESULTS_BEGIN, RESULTS_END
@@ -568,10 +577,13 @@ def main():
     p.add_argument("--model", default="ANI2x",
                    help="torchani.models factory to time (ANI2x: published weights; others: "
                         "TorchANI's architecture with seeded random weights)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="dtype of both implementations (models, coordinates, cells)")
     p.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = p.parse_args()
-    global MODEL
+    global MODEL, DTYPE
     MODEL = args.model
+    DTYPE = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     systems = [s for s in SYSTEMS if not (args.quick and s[1] == "water-grid")]
     if args.rss_child:
@@ -579,7 +591,7 @@ def main():
     rounds, budget = (5, 10.0) if args.quick else (args.rounds, args.budget)
     load_before = os.getloadavg()[0]
     peaks = sgemm_peak()
-    print(f"SGEMM peaks (GFLOP/s): {peaks}", flush=True)
+    print(f"GEMM peaks (GFLOP/s): {peaks}", flush=True)
     # Bounded: the busy loops end by themselves within 2 hours even if this process is killed.
     busy = start_contention(args.contention, 7200) if args.contention else []
     try:

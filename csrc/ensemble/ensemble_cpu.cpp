@@ -12,15 +12,17 @@
 // per task. Inputs of few blocks also split
 // the members into slices, so that every thread has work; the split depends on
 // the input only, and results do not depend on the number of threads.
-// float32 on AVX2 CPUs multiplies with the weights' panel copies (W for the
-// forward, W^T for the backward; with AVX-512 the backward too reads W,
-// ensemble/gemm.h, except in groups of many blocks); otherwise BLAS.
+// On AVX2 CPUs both dtypes multiply with the weights' panel copies: float32
+// with W for the forward and W^T for the backward (with AVX-512 the backward
+// too reads W, ensemble/gemm.h, except in groups of many blocks), float64 with
+// W and W^T (ensemble/gemm_f64.h); otherwise BLAS.
 //
 // The activation (`activation`, small_gemm::Activation) is CELU(0.1) or GELU.
 // CELU(alpha) = x for x > 0, alpha expm1(x / alpha) otherwise; its derivative
-// is kept from the forward pass. float32 uses common/simd_math.h's exp on AVX2 CPUs
-// (about 1 ulp); float64 uses std::expm1/std::exp and reproduces PyTorch's
-// backward, which scales by 1/float32(alpha) (see nn.py).
+// is kept from the forward pass. On AVX2 CPUs float32 uses common/simd_math.h's
+// exp (about 1 ulp), float64 simd_math_f64.h's (within 1 ulp); elsewhere
+// std::expm1/std::exp. float64 reproduces PyTorch's backward, which scales by
+// 1/float32(alpha) (see nn.py).
 // GELU(x) = x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2, derivative
 // Phi(x) + x exp(-x^2 / 2) / sqrt(2 pi): float32 through simd::gelu (a
 // polynomial erfc, common/simd_math.h), float64 with std::erf / std::exp in
@@ -41,6 +43,7 @@
 #include "common/parallel.h"
 #include "common/simd_math.h"
 #include "ensemble/gemm.h"
+#include "ensemble/gemm_f64.h"
 #include "ensemble/zero_chunks.h"
 #include "ops.h"
 
@@ -123,7 +126,12 @@ void celu_inplace(float* z, float* d, int64_t count) {
 void celu_inplace(double* z, double* d, int64_t count) {
   // PyTorch's CELU backward: alpha * c * exp(c x), c = 1 / float32(alpha).
   const double c = 1.0 / static_cast<double>(static_cast<float>(kAlpha));
-  for (int64_t i = 0; i < count; ++i) {
+  int64_t i = 0;
+#ifdef TF_SIMD_AVX2
+  static_assert(kAlpha == 0.1, "simd::celu01 is CELU(0.1)");
+  if (simd::have_avx2()) i = small_gemm::celu_f64_avx2(z, d, count);
+#endif
+  for (; i < count; ++i) {
     const double x = z[i];
     if (!(x <= 0.0)) {
       d[i] = 1.0;
@@ -150,13 +158,7 @@ void gelu_scalar(float* z, float* d, int64_t count) {
 }
 
 void gelu_inplace(double* z, double* d, int64_t count) {
-  constexpr double kAlphaG = M_SQRT1_2, kBeta = M_2_SQRTPI * M_SQRT1_2 * 0.5;
-  for (int64_t i = 0; i < count; ++i) {
-    const double x = z[i];
-    const double cdf = 0.5 * (1.0 + std::erf(x * kAlphaG));
-    d[i] = cdf + x * (kBeta * std::exp(x * x * -0.5));
-    z[i] = x * cdf;  // = x * 0.5 * (1 + erf): the halving is exact
-  }
+  for (int64_t i = 0; i < count; ++i) z[i] = small_gemm::gelu_f64(z[i], d[i]);
 }
 
 #ifdef TF_SIMD_AVX2
@@ -225,8 +227,9 @@ struct GroupNet {
   std::vector<int64_t> ld;       // per layer: row stride of the weights
   std::vector<int64_t> stride;   // per layer: offset from one member's weights to the next
   std::vector<const T*> bias;    // per layer: member 0's bias
-  // float32 panels (or empty): per hidden layer, member 0's W (forward) and W^T
-  // (backward) as 16-column panels (ensemble/gemm.h); member stride d_in * d_out.
+  // Panels (or empty): per hidden layer, member 0's W (forward) and W^T
+  // (backward) as 16-column panels (ensemble/gemm.h, gemm_f64.h); member
+  // stride d_in * d_out.
   std::vector<const T*> panel_fwd, panel_bwd;
   int64_t layers() const { return static_cast<int64_t>(weight.size()); }
   int64_t in_dim() const { return dims[0]; }
@@ -269,9 +272,26 @@ void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, c
                              next_floats, net.act);
       return;
     }
+  } else {
+    if (l < static_cast<int64_t>(net.panel_fwd.size())) {
+      small_gemm::panel_gemm_f64(rows, dout, din, h, din, net.panel_fwd[l] + m * din * dout, bias,
+                                 false, nullptr, 0, out, dout, chunks, nullptr, deriv, net.act);
+      return;
+    }
   }
-  small_gemm::gemm_bias<T>(rows, dout, din, h, din, net.weight[l] + m * net.stride[l], net.ld[l],
-                           bias, out, dout);
+  bool done = false;
+#ifdef TF_SIMD_AVX2
+  if constexpr (std::is_same_v<T, double>) {
+    if (dout == 1 && net.ld[l] == 1 && simd::have_avx2()) {  // (float32: in gemm_bias)
+      small_gemm::dot_rows_f64_avx2(rows, din, h, din, net.weight[l] + m * net.stride[l], bias[0],
+                                    out, 1);
+      done = true;
+    }
+  }
+#endif
+  if (!done)
+    small_gemm::gemm_bias<T>(rows, dout, din, h, din, net.weight[l] + m * net.stride[l], net.ld[l],
+                             bias, out, dout);
   if (deriv != nullptr) activation_inplace(net.act, out, deriv, rows * dout);
 }
 
@@ -300,6 +320,12 @@ void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, 
     if (l < static_cast<int64_t>(net.panel_bwd.size())) {
       small_gemm::panel_gemm(rows, din, dout, g, dout, net.panel_bwd[l] + m * din * dout, nullptr,
                              accumulate, deriv, din, out, din, nullptr, chunks);
+      return;
+    }
+  } else {
+    if (l < static_cast<int64_t>(net.panel_bwd.size())) {
+      small_gemm::panel_gemm_f64(rows, din, dout, g, dout, net.panel_bwd[l] + m * din * dout,
+                                 nullptr, accumulate, deriv, din, out, din, nullptr, chunks);
       return;
     }
   }
@@ -398,10 +424,9 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     int64_t activation) {
   const int64_t groups = static_cast<int64_t>(sizes.size());
   const int64_t features = aev.size(1);
-  // Panels are used when given, for float32, on CPUs that run panel_gemm;
-  // their count is checked whenever they are given (also where they go unused).
-  const bool use_panels = !panels.empty() && std::is_same_v<T, float> &&
-                          small_gemm::panels_supported();
+  // Panels are used when given, on CPUs that run panel_gemm (AVX2); their
+  // count is checked whenever they are given (also where they go unused).
+  const bool use_panels = !panels.empty() && small_gemm::panels_supported();
   int64_t panel = 0;
   if (!panels.empty()) {
     int64_t expected = 0;
@@ -480,8 +505,10 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
                         fwd.sizes() == at::IntArrayRef({members, dout / 16, din, 16}) &&
                         bwd.is_contiguous() &&
                         bwd.sizes() == at::IntArrayRef({members, din / 16, dout, 16}) &&
-                        fwd.scalar_type() == at::kFloat && bwd.scalar_type() == at::kFloat,
-                    "ensemble_mlp: panels[", panel, "], panels[", panel + 1, "] must be float32 (",
+                        fwd.scalar_type() == aev.scalar_type() &&
+                        bwd.scalar_type() == aev.scalar_type(),
+                    "ensemble_mlp: panels[", panel, "], panels[", panel + 1,
+                    "] must be of the AEV's dtype (", aev.scalar_type(), "), (",
                     members, ", ", dout / 16, ", ", din, ", 16) and (", members, ", ", din / 16,
                     ", ", dout, ", 16), got ", fwd.sizes(), " and ", bwd.sizes());
         net.panel_fwd.push_back(fwd.data_ptr<T>());

@@ -359,14 +359,15 @@ class _FusedBase(AtomicContainer):
     def _op_args(self, act: tp.List[int], group_elem: tp.List[int], group_mask: tp.List[int],
                  hidden: tp.List[Tensor], with_panels: bool) -> OpArgs:
         """(columns, first, packs, panels, layers) of these groups, as ``ensemble_mlp``
-        takes them. Panels only when asked for, float32 and every width a multiple
-        of 16; else an empty list."""
+        takes them. Panels only when asked for, float32 or float64 and every width
+        a multiple of 16; else an empty list."""
         columns: tp.List[Tensor] = []
         first: tp.List[Tensor] = []
         packs: tp.List[Tensor] = []
         panels: tp.List[Tensor] = []
         layers: tp.List[int] = []
-        use_panels = with_panels and self._probe.dtype == torch.float32
+        dtype = self._probe.dtype
+        use_panels = with_panels and (dtype == torch.float32 or dtype == torch.float64)
         for g in range(len(group_elem)):
             e = group_elem[g]
             cached = self._cached_first(act, e, group_mask[g])
@@ -388,7 +389,7 @@ class _FusedBase(AtomicContainer):
 
     def _panels(self, act: tp.List[int], elem: int, first: tp.List[Tensor],
                 hidden_e: tp.List[Tensor]) -> tp.Optional[tp.List[Tensor]]:
-        """float32 panel copies of one group's hidden-layer weights for ensemble_mlp, cached.
+        """Panel copies of one group's hidden-layer weights for ensemble_mlp, cached.
 
         Per hidden layer, W as (k, d_out/16, d_in, 16) and W^T as (k, d_in/16,
         d_out, 16): 16-column panels, each contiguous (csrc/ensemble/gemm.h).

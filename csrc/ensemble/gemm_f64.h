@@ -1,0 +1,304 @@
+// float64 matrix products of the fused networks (ensemble/ensemble_cpu.cpp), the
+// counterparts of gemm.h's float32 panel kernels on the same 16-column panels
+// (nn/packing.py packs both dtypes alike):
+//
+//   panel_gemm_f64(A, W) = A W (+ bias, or + C; then * D, or CELU / GELU)
+//                                                  AVX2 + FMA (4 lanes) or AVX-512 (8)
+//   panel_nt_f64(G, W)   = G W^T (+ C, or * D) from W's forward panels (W^T's
+//                          panels made in L1 a slab at a time)
+//   dot_rows_f64         = the last layer's one output column
+//
+// A BLAS dgemm on few rows (a block of atoms times one member's weights)
+// packs the weight matrix again on every call and runs at a fraction of its
+// large-matrix rate; the panels are packed once. Zero chunks (a_chunks,
+// c_chunks: 16-column chunks per row, as in gemm.h) are skipped the same way.
+//
+// Every output is its bias (or C, or 0) plus the products over k in
+// increasing order, one FMA each, in both instruction sets: AVX2 and AVX-512
+// give the same bits (the activations too: simd_math_f64.h).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "common/simd_math_f64.h"
+#include "ensemble/gemm.h"
+
+namespace torchani_fast::small_gemm {
+
+// GELU (exact erf form) and its derivative in PyTorch's float64 formulas
+// (GeluKernel / GeluBackwardKernel, approximate="none").
+inline double gelu_f64(double x, double& deriv) {
+  constexpr double kAlphaG = M_SQRT1_2, kBeta = M_2_SQRTPI * M_SQRT1_2 * 0.5;
+  const double cdf = 0.5 * (1.0 + std::erf(x * kAlphaG));
+  deriv = cdf + x * (kBeta * std::exp(x * x * -0.5));
+  return x * cdf;  // = x * 0.5 * (1 + erf): the halving is exact
+}
+
+#ifdef TF_SIMD_AVX2
+
+// The activation of `count` values at v (in place), derivative into d.
+TF_AVX2_INLINE __m256d activate_f64(__m256d v, __m256d& deriv) { return simd::celu01(v, deriv); }
+TF_AVX512_INLINE __m512d activate_f64(__m512d v, __m512d& deriv) { return simd::celu01(v, deriv); }
+
+// GELU lane by lane (std::erf: no float64 vector erf here), through memory.
+inline void gelu_lanes_f64(double* v, double* d, int lanes) {
+  for (int i = 0; i < lanes; ++i) v[i] = gelu_f64(v[i], d[i]);
+}
+
+// ---------------------------------------------------------------------------
+// AVX2: tiles of up to 6 rows times 8 columns (half a panel, 2 vectors).
+// ---------------------------------------------------------------------------
+
+template <int R>
+TF_AVX2_INLINE void half_panel_steps(__m256d (&acc)[R][2], const double* a, int64_t lda,
+                                     const double* w, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * (p + 8)), _MM_HINT_T0);
+    const __m256d w0 = _mm256_loadu_pd(w + 16 * p), w1 = _mm256_loadu_pd(w + 16 * p + 4);
+    for (int r = 0; r < R; ++r) {
+      const __m256d x = _mm256_broadcast_sd(a + r * lda + p);
+      acc[r][0] = _mm256_fmadd_pd(x, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_pd(x, w1, acc[r][1]);
+    }
+  }
+}
+
+// Rows 0..R of C[:, 0:8] = epilogue(A W[:, 0:8]), `w` pointing at the 8
+// columns in their (k, 16) panel; the epilogue of gemm.h's panel_rows.
+template <int R>
+TF_AVX2_INLINE void half_panel_rows(const double* a, int64_t lda, const double* w, int64_t k,
+                                    uint64_t chunks, const double* bias, bool accumulate,
+                                    const double* d, int64_t ldd, double* c, int64_t ldc,
+                                    double* act_d, int64_t act) {
+  __m256d acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      acc[r][h] = bias != nullptr ? _mm256_loadu_pd(bias + 4 * h)
+                  : accumulate    ? _mm256_loadu_pd(c + r * ldc + 4 * h)
+                                  : _mm256_setzero_pd();
+    }
+  }
+  ChunkRuns runs(chunks, k);
+  for (int64_t p0, p1; runs.next(p0, p1);) half_panel_steps<R>(acc, a, lda, w, p0, p1);
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      __m256d v = acc[r][h];
+      if (d != nullptr) v = _mm256_mul_pd(v, _mm256_loadu_pd(d + r * ldd + 4 * h));
+      if (act_d != nullptr && act == kCelu01) {
+        __m256d deriv;
+        v = activate_f64(v, deriv);
+        _mm256_storeu_pd(act_d + r * ldc + 4 * h, deriv);
+      }
+      _mm256_storeu_pd(c + r * ldc + 4 * h, v);
+    }
+    if (act_d != nullptr && act != kCelu01) gelu_lanes_f64(c + r * ldc, act_d + r * ldc, 8);
+  }
+}
+
+TF_AVX2 inline void panel_gemm_f64_avx2(int64_t m, int64_t n, int64_t k, const double* a,
+                                        int64_t lda, const double* w, const double* bias,
+                                        bool accumulate, const double* d, int64_t ldd, double* c,
+                                        int64_t ldc, const uint64_t* a_chunks,
+                                        const uint64_t* c_chunks, double* act_d, int64_t act) {
+  for (int64_t j = 0; j < n; j += 8) {
+    const double* wj = w + (j / 16) * 16 * k + j % 16;
+    const double* bj = bias ? bias + j : nullptr;
+    for (int64_t r = 0; r < m; r += 6) {
+      const int64_t rows = std::min<int64_t>(6, m - r);
+      double* cr = c + r * ldc + j;
+      if (c_chunks != nullptr && ((chunks_of(c_chunks + r, rows) >> (j / 16)) & 1) == 0) {
+        if (!accumulate)
+          for (int64_t q = 0; q < rows; ++q) std::memset(cr + q * ldc, 0, 8 * sizeof(double));
+        continue;
+      }
+      const uint64_t kc = a_chunks != nullptr ? chunks_of(a_chunks + r, rows) : kAllChunks;
+      const double* ar = a + r * lda;
+      const double* dr = d ? d + r * ldd + j : nullptr;
+      double* er = act_d ? act_d + r * ldc + j : nullptr;
+      switch (rows) {
+        case 6: half_panel_rows<6>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+        case 5: half_panel_rows<5>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+        case 4: half_panel_rows<4>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+        case 3: half_panel_rows<3>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+        case 2: half_panel_rows<2>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+        default: half_panel_rows<1>(ar, lda, wj, k, kc, bj, accumulate, dr, ldd, cr, ldc, er, act); break;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// AVX-512: tiles of up to 6 rows times up to 2 panels (32 columns, 4 vectors
+// per row: 24 accumulators), so that each broadcast of A feeds 4 FMAs and
+// each line of W 6.
+// ---------------------------------------------------------------------------
+
+template <int R, int P>
+TF_AVX512_INLINE void panel_steps512_f64(__m512d (&acc)[R][2 * P], const double* a, int64_t lda,
+                                         const double* const (&w)[P], int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512d wv[2 * P];
+    for (int q = 0; q < P; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[q] + 16 * (p + 8)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w[q] + 16 * (p + 8) + 8), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        wv[2 * q + h] = _mm512_loadu_pd(w[q] + 16 * p + 8 * h);
+        asm("" : "+v"(wv[2 * q + h]));  // a register for its R products (gemm.h)
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512d x = _mm512_set1_pd(a[r * lda + p]);
+      for (int v = 0; v < 2 * P; ++v) acc[r][v] = _mm512_fmadd_pd(x, wv[v], acc[r][v]);
+    }
+  }
+}
+
+template <int R, int P>
+TF_AVX512 void panel_tile512_f64(const double* a, int64_t lda, const double* w, int64_t k,
+                                 uint64_t chunks, const double* bias, bool accumulate,
+                                 const double* d, int64_t ldd, double* c, int64_t ldc,
+                                 double* act_d, const int64_t* cols, int64_t act) {
+  const double* wq[P];
+  __m512d acc[R][2 * P];
+  for (int q = 0; q < P; ++q) {
+    wq[q] = w + cols[q] * k;
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t col = cols[q] + 8 * h;
+        acc[r][2 * q + h] = bias != nullptr ? _mm512_loadu_pd(bias + col)
+                            : accumulate    ? _mm512_loadu_pd(c + r * ldc + col)
+                                            : _mm512_setzero_pd();
+      }
+    }
+  }
+  ChunkRuns runs(chunks, k);
+  for (int64_t p0, p1; runs.next(p0, p1);) panel_steps512_f64<R, P>(acc, a, lda, wq, p0, p1);
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < P; ++q) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t col = cols[q] + 8 * h;
+        __m512d v = acc[r][2 * q + h];
+        if (d != nullptr) v = _mm512_mul_pd(v, _mm512_loadu_pd(d + r * ldd + col));
+        if (act_d != nullptr && act == kCelu01) {
+          __m512d deriv;
+          v = activate_f64(v, deriv);
+          _mm512_storeu_pd(act_d + r * ldc + col, deriv);
+        }
+        _mm512_storeu_pd(c + r * ldc + col, v);
+      }
+      if (act_d != nullptr && act != kCelu01)
+        gelu_lanes_f64(c + r * ldc + cols[q], act_d + r * ldc + cols[q], 16);
+    }
+  }
+}
+
+template <int R>
+TF_AVX512 void panel_tile512_f64(int panels, const double* a, int64_t lda, const double* w,
+                                 int64_t k, uint64_t chunks, const double* bias, bool accumulate,
+                                 const double* d, int64_t ldd, double* c, int64_t ldc,
+                                 double* act_d, const int64_t* cols, int64_t act) {
+  if (panels == 2) {
+    panel_tile512_f64<R, 2>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, act_d, cols, act);
+  } else {
+    panel_tile512_f64<R, 1>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, act_d, cols, act);
+  }
+}
+
+TF_AVX512 inline void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, const double* a,
+                                            int64_t lda, const double* w, const double* bias,
+                                            bool accumulate, const double* d, int64_t ldd,
+                                            double* c, int64_t ldc, const uint64_t* a_chunks,
+                                            const uint64_t* c_chunks, double* act_d,
+                                            int64_t act) {
+  for (int64_t j0 = 0; j0 < n; j0 += 32) {
+    const int64_t group_end = std::min<int64_t>(n, j0 + 32);
+    for (int64_t r = 0; r < m; r += 6) {
+      const int64_t rows = std::min<int64_t>(6, m - r);
+      double* cr = c + r * ldc;
+      const uint64_t wanted = c_chunks != nullptr ? chunks_of(c_chunks + r, rows) : kAllChunks;
+      int64_t cols[2];
+      int panels = 0;
+      for (int64_t j = j0; j < group_end; j += 16) {
+        if ((wanted >> (j / 16)) & 1) {
+          cols[panels++] = j;
+        } else if (!accumulate) {
+          for (int64_t q = 0; q < rows; ++q) std::memset(cr + q * ldc + j, 0, 16 * sizeof(double));
+        }
+      }
+      if (panels == 0) continue;
+      const uint64_t kc = a_chunks != nullptr ? chunks_of(a_chunks + r, rows) : kAllChunks;
+      const double* ar = a + r * lda;
+      const double* dr = d ? d + r * ldd : nullptr;
+      double* er = act_d ? act_d + r * ldc : nullptr;
+      switch (rows) {
+        case 6: panel_tile512_f64<6>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
+        case 5: panel_tile512_f64<5>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
+        case 4: panel_tile512_f64<4>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
+        case 3: panel_tile512_f64<3>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
+        case 2: panel_tile512_f64<2>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
+        default: panel_tile512_f64<1>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
+      }
+    }
+  }
+}
+
+// c[r * ldc] = a_r . b + bias, 16 products per step in 4 accumulators (the
+// same operations with AVX-512, which gains nothing on 160 products).
+TF_AVX2 inline void dot_rows_f64_avx2(int64_t m, int64_t k, const double* a, int64_t lda,
+                                      const double* b, double bias, double* c, int64_t ldc) {
+  for (int64_t r = 0; r < m; ++r) {
+    const double* ar = a + r * lda;
+    __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                      _mm256_setzero_pd()};
+    int64_t p = 0;
+    for (; p + 16 <= k; p += 16)
+      for (int i = 0; i < 4; ++i)
+        acc[i] = _mm256_fmadd_pd(_mm256_loadu_pd(ar + p + 4 * i), _mm256_loadu_pd(b + p + 4 * i), acc[i]);
+    for (; p + 4 <= k; p += 4)
+      acc[0] = _mm256_fmadd_pd(_mm256_loadu_pd(ar + p), _mm256_loadu_pd(b + p), acc[0]);
+    const __m256d s4 = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
+    const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+    double s = _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+    for (; p < k; ++p) s += ar[p] * b[p];
+    c[r * ldc] = s + bias;
+  }
+}
+
+// CELU(0.1) of count values in place, derivative into d; the tail scalar.
+TF_AVX2 inline int64_t celu_f64_avx2(double* z, double* d, int64_t count) {
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    __m256d deriv;
+    _mm256_storeu_pd(z + i, simd::celu01(_mm256_loadu_pd(z + i), deriv));
+    _mm256_storeu_pd(d + i, deriv);
+  }
+  return i;
+}
+#endif  // TF_SIMD_AVX2
+
+// C (m x n) = epilogue(A W) as gemm.h's panel_gemm, float64, W as (k, 16)
+// panels; n % 16 == 0; needs panels_supported(). act_d: C = act(A W + bias)
+// with the derivative into act_d (not with c_chunks).
+inline void panel_gemm_f64(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
+                           const double* w, const double* bias, bool accumulate, const double* d,
+                           int64_t ldd, double* c, int64_t ldc, const uint64_t* a_chunks = nullptr,
+                           const uint64_t* c_chunks = nullptr, double* act_d = nullptr,
+                           int64_t act = kCelu01) {
+  TORCH_CHECK(act_d == nullptr || c_chunks == nullptr, "panel_gemm_f64: act_d with c_chunks");
+#ifdef TF_SIMD_AVX2
+  if (simd::have_avx512()) {
+    panel_gemm_f64_avx512(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,
+                          act_d, act);
+    return;
+  }
+  panel_gemm_f64_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,
+                      act_d, act);
+#else
+  TORCH_CHECK(false, "panel_gemm_f64 needs an x86-64 CPU with AVX2");
+#endif
+}
+
+}  // namespace torchani_fast::small_gemm

@@ -1,0 +1,253 @@
+"""The float64 networks: the op's panel kernels (csrc/ensemble/gemm_f64.h) and
+the patched models, against plain PyTorch and TorchANI in float64.
+
+The panel kernels sum each output's products in the same order with AVX2 and
+AVX-512 (and apply the same CELU), so the two levels give the same bits; the
+portable level ("none") calls BLAS and agrees to rounding.
+"""
+import copy
+
+import pytest
+import torch
+
+import torchani_fast
+from torchani_fast.testing import random_model
+from conftest import energy_forces, model_pair, reference_model
+from test_ensemble_op import make_groups, op, panels_of, reference
+from test_nn import BATCHES, assert_energies, assert_forces, padded_batch
+from test_nn_gelu import make_groups as make_gelu_groups
+from test_nn_gelu import reference_values as gelu_reference_values
+
+ops = torch.ops.torchani_fast
+ISAS = ["avx512", "avx2", "none"]
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each instruction-set level the kernels have (capped), restored afterwards."""
+    before = torchani_fast.cpu_isa()
+    if request.param == "avx512" and before != "avx512":
+        pytest.skip(f"the CPU runs {before}")
+    if request.param == "avx2" and before == "none":
+        pytest.skip("the CPU has no AVX2")
+    torchani_fast.cpu_isa(request.param)
+    yield request.param
+    torchani_fast.cpu_isa("avx512")
+    assert torchani_fast.cpu_isa() == before
+
+
+def _levels():
+    best = torchani_fast.cpu_isa()
+    return ISAS[ISAS.index(best):][::-1]  # lowest first
+
+
+def _at(level, fn):
+    before = torchani_fast.cpu_isa()
+    torchani_fast.cpu_isa(level)
+    try:
+        return fn()
+    finally:
+        torchani_fast.cpu_isa(before)
+
+
+# widths, AEV columns per group, atoms per group. Widths 112 = 3 x 32 + 16 and
+# 80: AVX-512 tiles of 2 panels and of 1, AVX2 half panels; group sizes from 1
+# to 200 rows: tiles of 1 to 6 rows, blocks of 96 rows (two and three blocks).
+SHAPES = {
+    "ani-like": ([32, 16, 16], [48, 32, 64], [70, 5, 130]),
+    "wide": ([112, 80, 32], [48, 96, 64, 32, 80], [2, 7, 45, 23, 61]),
+    "tile-edges": ([48, 32, 16], [16, 32, 48, 64, 32, 16], [1, 6, 7, 12, 13, 95]),
+    "blocks": ([64, 48], [32, 48], [97, 200]),
+    "one-layer-deep": ([32], [16, 32], [3, 4]),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_panels_match_pytorch(shape, isa):
+    members = 3
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float64, members, *SHAPES[shape])
+    v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
+    panels = panels_of(first, packs, layers, members)
+    for p in (panels, []):
+        values, jac = op(aev, atoms, sizes, columns, first, packs, p, layers, members, True)
+        torch.testing.assert_close(values, v_ref, **TOL)
+        torch.testing.assert_close(jac, j_ref, **TOL)
+        values_only, empty = op(aev, atoms, sizes, columns, first, packs, p, layers, members, False)
+        assert empty.numel() == 0 and torch.equal(values_only, values)
+
+
+def test_avx2_and_avx512_give_the_same_bits():
+    if torchani_fast.cpu_isa() != "avx512":
+        pytest.skip("needs AVX-512")
+    members = 4
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float64, members, *SHAPES["wide"])
+    aev[aev < 0.1] = -aev[aev < 0.1]  # negative pre-activations too
+    panels = panels_of(first, packs, layers, members)
+    out = {level: _at(level, lambda: op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True))
+           for level in ("avx2", "avx512")}
+    assert torch.equal(out["avx2"][0], out["avx512"][0])
+    assert torch.equal(out["avx2"][1], out["avx512"][1])
+    # the portable level (BLAS) is a different sum order: rounding only
+    none = _at("none", lambda: op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True))
+    torch.testing.assert_close(none[0], out["avx512"][0], rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(none[1], out["avx512"][1], rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("sizes", [[70, 5, 130], [2, 1, 9]], ids=["blocks", "one-two-rows"])
+def test_zero_chunks(sizes, isa):
+    # 16-column chunks of the AEV that are 0 in some rows: the forward skips
+    # them exactly (same values with and without the flag, and as the
+    # reference); J skips them only with zero_blocks_exact, and is the
+    # reference's wherever the row's chunk is not 0.
+    members = 3
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(
+        torch.float64, members, [32, 16, 16], [48, 32, 64], sizes)
+    g = torch.Generator().manual_seed(3)
+    dead = []
+    for atoms_g, cols in zip(atoms.split(sizes), columns):
+        n_chunks = cols.shape[0] // 16
+        zero = torch.rand(len(atoms_g), n_chunks, generator=g) < 0.4
+        zero[:, n_chunks - 1] = True
+        zero[0] = True
+        for r, a in enumerate(atoms_g.tolist()):
+            for c in zero[r].nonzero().flatten().tolist():
+                aev[a, cols[16 * c: 16 * c + 16]] = 0
+        dead.append(n_chunks - 1)
+    panels = panels_of(first, packs, layers, members)
+    v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
+    v0, j0 = op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True, False)
+    v1, j1 = op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True, True)
+    torch.testing.assert_close(v0, v_ref, **TOL)
+    assert torch.equal(v0, v1)
+    torch.testing.assert_close(j0, j_ref, **TOL)
+    off = 0
+    for atoms_g, cols, c in zip(atoms.split(sizes), columns, dead):
+        k = cols.shape[0]
+        j1_g, jr_g = j1[off: off + len(atoms_g) * k].view(-1, k), j_ref[off: off + len(atoms_g) * k].view(-1, k)
+        off += len(atoms_g) * k
+        assert (jr_g[:, 16 * c: 16 * c + 16] != 0).any()
+        if isa != "none":  # (the portable path computes them, which the flag allows)
+            assert (j1_g[:, 16 * c: 16 * c + 16] == 0).all()
+        nonzero = (aev[atoms_g][:, cols].view(len(atoms_g), -1, 16) != 0).any(2).repeat_interleave(16, 1)
+        torch.testing.assert_close(j1_g[nonzero], jr_g[nonzero], **TOL)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gelu_panels_match_pytorch(bias, isa):
+    members = 3
+    widths, cols, sizes = [48, 32, 16], [32, 64, 16], [9, 40, 1]
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_gelu_groups(
+        torch.float64, members, widths, cols, sizes, bias)
+    x = aev.clone().requires_grad_(True)
+    ref = gelu_reference_values(x, atoms, sizes, columns, mlps)
+    (grad,) = torch.autograd.grad(ref.sum(), x)
+    jac_ref = torch.cat([grad[a][:, c].flatten() for a, c in zip(atoms.split(sizes), columns)])
+    panels = panels_of(first, packs, layers, members)
+    values, jac = ops.ensemble_mlp(aev, atoms, sizes, columns, first, packs, panels, layers,
+                                   members, True, False, 1)
+    torch.testing.assert_close(values, ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(jac, jac_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck_and_gradgradcheck_with_panels():
+    members = 2
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(
+        torch.float64, members, [32, 16], [16, 32], [3, 7], features=40)
+    panels = panels_of(first, packs, layers, members)
+
+    def atomic(a):
+        return torch.ops.torchani_fast.ensemble_atomic(a, atoms, sizes, columns, first, packs, panels, layers,
+                                                       members, False, 0)
+
+    def energies(a):
+        return torch.ops.torchani_fast.ensemble_energies(a, atoms, sizes, columns, first, packs, panels, layers,
+                                                         members, 1, members, False, 0)
+
+    x = aev.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(atomic, (x,))
+    assert torch.autograd.gradcheck(energies, (x,))
+    assert torch.autograd.gradgradcheck(energies, (x,))
+
+
+def test_panels_of_another_dtype_are_refused():
+    members = 2
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float64, members, [32, 16], [16], [3])
+    panels = [p.float() for p in panels_of(first, packs, layers, members)]
+    if torchani_fast.cpu_isa() == "none":
+        pytest.skip("panels are not read without AVX2")
+    with pytest.raises(RuntimeError, match=r"panels\[0\], panels\[1\] must be of the AEV's dtype \(Double\)"):
+        op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True)
+
+
+def _with_threads(n, fn):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_same_bits_for_any_number_of_threads():
+    members = 8
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float64, members, *SHAPES["blocks"])
+    panels = panels_of(first, packs, layers, members)
+    runs = [_with_threads(n, lambda: op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True))
+            for n in (1, 2, 4)]
+    for values, jac in runs[1:]:
+        assert torch.equal(values, runs[0][0]) and torch.equal(jac, runs[0][1])
+
+
+# -- patched models against TorchANI, float64 ---------------------------------------------
+
+
+def _uses_panels(fast):
+    nn = fast.potentials["nnp"].neural_networks
+    return any(len(plan.op_args[3]) > 0 for plan in nn._native_plans.values())
+
+
+@pytest.mark.parametrize("name", ["ANI2x", "ANI1x", "ANI1ccx"])
+def test_models_match_torchani(name, isa):
+    ref, fast = model_pair(name, torch.float64)
+    species, coords = padded_batch(BATCHES["ANI2x" if name == "ANI2x" else "ANI1x"], torch.float64)
+    e_ref, f_ref = energy_forces(ref, species, coords)
+    e, f = energy_forces(fast, species, coords)
+    assert_energies(e, e_ref, torch.float64)
+    assert_forces(f, f_ref, torch.float64)
+    assert _uses_panels(fast)  # (read by the kernels from AVX2 up)
+    a_ref = ref.atomic_energies((species, coords)).energies
+    a = fast.atomic_energies((species, coords)).energies
+    assert_energies(a, a_ref, torch.float64)
+
+
+def test_periodic_water_matches_torchani():
+    from torchani_fast.testing import water_box
+
+    ref, fast = model_pair("ANI2x", torch.float64)
+    z, x, cell, pbc = water_box(64)
+    e_ref, f_ref = energy_forces(ref, z, x.double(), cell.double(), pbc)
+    e, f = energy_forces(fast, z, x.double(), cell.double(), pbc)
+    assert_energies(e, e_ref, torch.float64)
+    assert_forces(f, f_ref, torch.float64)
+
+
+def test_gelu_model_matches_torchani(isa):
+    # ANI-2xr: GELU networks without biases (random weights of its architecture).
+    ref = random_model("ANI2xr").double()
+    fast = torchani_fast.patch(copy.deepcopy(ref))
+    species, coords = padded_batch(BATCHES["ANI2x"], torch.float64)
+    e_ref, f_ref = energy_forces(ref, species, coords)
+    e, f = energy_forces(fast, species, coords)
+    assert_energies(e, e_ref, torch.float64)
+    assert_forces(f, f_ref, torch.float64)
+
+
+def test_torchscript_float64_matches_eager():
+    ref = reference_model("ANI1x", torch.float64)
+    fast = torchani_fast.patch(ref)
+    scripted = torch.jit.script(torchani_fast.patch(reference_model("ANI1x", torch.float64)))
+    species, coords = padded_batch(BATCHES["ANI1x"], torch.float64)
+    e, f = energy_forces(fast, species, coords)
+    e_s, f_s = energy_forces(scripted, species, coords)
+    assert torch.equal(e, e_s) and torch.equal(f, f_s)

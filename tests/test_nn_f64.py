@@ -66,7 +66,7 @@ SHAPES = {
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_panels_match_pytorch(shape, isa):
     members = 3
-    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float64, members, *SHAPES[shape])
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float64, members, *SHAPES[shape], features=128)
     v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
     panels = panels_of(first, packs, layers, members)
     for p in (panels, []):
@@ -81,7 +81,7 @@ def test_avx2_and_avx512_give_the_same_bits():
     if torchani_fast.cpu_isa() != "avx512":
         pytest.skip("needs AVX-512")
     members = 4
-    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float64, members, *SHAPES["wide"])
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(torch.float64, members, *SHAPES["wide"], features=128)
     aev[aev < 0.1] = -aev[aev < 0.1]  # negative pre-activations too
     panels = panels_of(first, packs, layers, members)
     out = {level: _at(level, lambda: op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True))

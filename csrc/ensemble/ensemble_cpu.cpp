@@ -35,7 +35,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -78,15 +77,6 @@ constexpr int64_t kNtMaxRows = 2;
 constexpr int64_t kStoredMinBlocks = 3;
 constexpr int64_t kStoredMaxBytes = int64_t(16) << 20;
 constexpr double kAlpha = 0.1;
-// TUNING KNOBS (temporary)
-inline int64_t f64_nt_min_rows() {
-  static const int64_t v = [] { const char* e = std::getenv("TF_F64_NT_MIN_ROWS"); return e ? std::atoll(e) : 9; }();
-  return v;
-}
-inline bool f64_stored_allowed() {
-  static const bool v = [] { const char* e = std::getenv("TF_F64_STORED"); return e ? std::atoi(e) != 0 : true; }();
-  return v;
-}
 
 // ---------------------------------------------------------------------------
 // CELU(0.1) in place, with its derivative.
@@ -333,15 +323,8 @@ void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, 
       return;
     }
   } else {
-    // AVX-512: from W's panels (W^T made in L1), as float32, unless the group
-    // reads the stored W^T (stored_wt) or has few rows.
-    const bool from_w = !net.stored_wt && rows >= f64_nt_min_rows() &&
-                        small_gemm::panel_nt_f64_supported(din, dout);
-    if (from_w && l < static_cast<int64_t>(net.panel_fwd.size())) {
-      small_gemm::panel_nt_f64(rows, din, dout, g, dout, net.panel_fwd[l] + m * din * dout,
-                               accumulate, deriv, din, out, din, chunks);
-      return;
-    }
+    // (W^T made from W's panels in L1, as the float32 AVX-512 backward does,
+    // was slower in float64: 1hz5 energy + forces 152-158 -> 102 ms with the stored W^T.)
     if (l < static_cast<int64_t>(net.panel_bwd.size())) {
       small_gemm::panel_gemm_f64(rows, din, dout, g, dout, net.panel_bwd[l] + m * din * dout,
                                  nullptr, accumulate, deriv, din, out, din, nullptr, chunks);
@@ -550,8 +533,7 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     int64_t bytes = 0;
     for (const auto& net : nets) bytes += panel_bytes(net);
     for (auto& net : nets) {
-      if ((std::is_same_v<T, float> || f64_stored_allowed()) &&
-          net.blocks >= kStoredMinBlocks && bytes + panel_bytes(net) <= kStoredMaxBytes) {
+      if (net.blocks >= kStoredMinBlocks && bytes + panel_bytes(net) <= kStoredMaxBytes) {
         net.stored_wt = true;
         bytes += panel_bytes(net);
       }

@@ -4,8 +4,7 @@
 //
 //   panel_gemm_f64(A, W) = A W (+ bias, or + C; then * D, or CELU / GELU)
 //                                                  AVX2 + FMA (4 lanes) or AVX-512 (8)
-//   panel_nt_f64(G, W)   = G W^T (+ C, or * D) from W's forward panels (W^T's
-//                          panels made in L1 a slab at a time), AVX-512
+//                          (the backward: the same on W^T's panels)
 //   dot_rows_f64         = the last layer's one output column
 //
 // A BLAS dgemm on few rows (a block of atoms times one member's weights)
@@ -38,6 +37,11 @@ inline double gelu_f64(double x, double& deriv) {
 }
 
 #ifdef TF_SIMD_AVX2
+// GCC 12 warns that its own AVX-512 headers read an uninitialised value (GCC
+// bug 105593, as in gemm.h).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 // The activation of `count` values at v (in place), derivative into d.
 TF_AVX2_INLINE __m256d activate_f64(__m256d v, __m256d& deriv) { return simd::celu01(v, deriv); }
@@ -245,69 +249,6 @@ TF_AVX512 inline void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, con
   }
 }
 
-// dst (8 x 8, row stride ldd) = src (8 x 8, row stride lds) transposed: 24 shuffles.
-TF_AVX512_INLINE void transpose8x8_f64(const double* src, int64_t lds, double* dst, int64_t ldd) {
-  __m512d r[8], t[8], u[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_pd(src + i * lds);
-  for (int i = 0; i < 8; i += 2) {  // t[i]: pairs of even columns of rows i, i + 1; t[i + 1] odd
-    t[i] = _mm512_unpacklo_pd(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_pd(r[i], r[i + 1]);
-  }
-  for (int b = 0; b < 8; b += 4) {  // u[b + c]: columns c and c + 4 (c < 4) of rows b .. b + 3
-    u[b + 0] = _mm512_shuffle_f64x2(t[b], t[b + 2], 0x88);      // columns 0, 4
-    u[b + 2] = _mm512_shuffle_f64x2(t[b], t[b + 2], 0xDD);      // 2, 6
-    u[b + 1] = _mm512_shuffle_f64x2(t[b + 1], t[b + 3], 0x88);  // 1, 5
-    u[b + 3] = _mm512_shuffle_f64x2(t[b + 1], t[b + 3], 0xDD);  // 3, 7
-  }
-  for (int c = 0; c < 4; ++c) {
-    _mm512_storeu_pd(dst + c * ldd, _mm512_shuffle_f64x2(u[c], u[4 + c], 0x88));
-    _mm512_storeu_pd(dst + (c + 4) * ldd, _mm512_shuffle_f64x2(u[c], u[4 + c], 0xDD));
-  }
-}
-
-constexpr int64_t kNtSlabMaxNF64 = 256;  // the W^T panel made in L1: 256 x 16 doubles (32 KB)
-
-// C (m x k) = G (m x n) W^T (times D, or added to C), W (k x n) given as its
-// forward panels: each W^T panel (n, 16) is made from 16 x 16 blocks of W's
-// panels in an L1 buffer, which panel_gemm_f64_avx512 then multiplies as it
-// does the stored W^T panels: the same operations in the same order (the same
-// bits), reading W's bytes only (the forward pass has just brought them into
-// cache; W^T's would come from L3 or memory). k % 16 == 0, n % 16 == 0, n <=
-// kNtSlabMaxNF64. A slab no row wants (c_chunks) is 0, or C kept.
-TF_AVX512 inline void panel_nt_f64_avx512(int64_t m, int64_t k, int64_t n, const double* g,
-                                          int64_t ldg, const double* w, bool accumulate,
-                                          const double* d, int64_t ldd, double* c, int64_t ldc,
-                                          const uint64_t* c_chunks) {
-  alignas(64) double slab[kNtSlabMaxNF64 * 16];
-  constexpr int64_t kRowsAtOnce = 96;  // rows per panel_gemm call (their shifted chunks below)
-  uint64_t shifted[kRowsAtOnce];
-  const uint64_t wanted_by_any = c_chunks != nullptr ? chunks_of(c_chunks, m) : kAllChunks;
-  for (int64_t i0 = 0; i0 < k; i0 += 16) {
-    if (((wanted_by_any >> (i0 / 16)) & 1) == 0) {
-      if (!accumulate)
-        for (int64_t r = 0; r < m; ++r) std::memset(c + r * ldc + i0, 0, 16 * sizeof(double));
-      continue;
-    }
-    for (int64_t p = 0; p < n / 16; ++p) {
-      const double* src = w + p * 16 * k + 16 * i0;  // rows i0 .. i0 + 15 of panel p
-      double* dst = slab + 256 * p;                   // rows 16 p .. 16 p + 15 of W^T's panel
-      transpose8x8_f64(src, 16, dst, 16);
-      transpose8x8_f64(src + 8, 16, dst + 8 * 16, 16);
-      transpose8x8_f64(src + 8 * 16, 16, dst + 8, 16);
-      transpose8x8_f64(src + 8 * 16 + 8, 16, dst + 8 * 16 + 8, 16);
-    }
-    for (int64_t r0 = 0; r0 < m; r0 += kRowsAtOnce) {
-      const int64_t rows = std::min<int64_t>(kRowsAtOnce, m - r0);
-      if (c_chunks != nullptr)
-        for (int64_t r = 0; r < rows; ++r) shifted[r] = c_chunks[r0 + r] >> (i0 / 16);
-      panel_gemm_f64_avx512(rows, 16, n, g + r0 * ldg, ldg, slab, nullptr, accumulate,
-                            d != nullptr ? d + r0 * ldd + i0 : nullptr, ldd, c + r0 * ldc + i0,
-                            ldc, nullptr, c_chunks != nullptr ? shifted : nullptr, nullptr,
-                            kCelu01);
-    }
-  }
-}
-
 // c[r * ldc] = a_r . b + bias, 16 products per step in 4 accumulators (the
 // same operations with AVX-512, which gains nothing on 160 products).
 TF_AVX2 inline void dot_rows_f64_avx2(int64_t m, int64_t k, const double* a, int64_t lda,
@@ -340,6 +281,7 @@ TF_AVX2 inline int64_t celu_f64_avx2(double* z, double* d, int64_t count) {
   }
   return i;
 }
+#pragma GCC diagnostic pop
 #endif  // TF_SIMD_AVX2
 
 // C (m x n) = epilogue(A W) as gemm.h's panel_gemm, float64, W as (k, 16)
@@ -361,29 +303,6 @@ inline void panel_gemm_f64(int64_t m, int64_t n, int64_t k, const double* a, int
                       act_d, act);
 #else
   TORCH_CHECK(false, "panel_gemm_f64 needs an x86-64 CPU with AVX2");
-#endif
-}
-
-// Whether panel_nt_f64 can run (AVX-512, and the shapes it takes).
-inline bool panel_nt_f64_supported(int64_t k, int64_t n) {
-#ifdef TF_SIMD_AVX2
-  return simd::have_avx512() && k % 16 == 0 && n % 16 == 0 && n <= kNtSlabMaxNF64;
-#else
-  (void)k;
-  (void)n;
-  return false;
-#endif
-}
-
-// C (m x k) = G W^T from W's forward panels (panel_nt_f64_avx512); needs
-// panel_nt_f64_supported(k, n).
-inline void panel_nt_f64(int64_t m, int64_t k, int64_t n, const double* g, int64_t ldg,
-                         const double* w, bool accumulate, const double* d, int64_t ldd, double* c,
-                         int64_t ldc, const uint64_t* c_chunks = nullptr) {
-#ifdef TF_SIMD_AVX2
-  panel_nt_f64_avx512(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc, c_chunks);
-#else
-  TORCH_CHECK(false, "panel_nt_f64 needs an x86-64 CPU with AVX-512");
 #endif
 }
 

@@ -83,24 +83,23 @@ inline void add_triple_grad(const Neighbor<scalar_t>& n1, const Neighbor<scalar_
 template <typename scalar_t>
 bool vector_kernels(const Consts<scalar_t>& k) {
 #ifdef TF_SIMD_AVX2
-  if constexpr (std::is_same_v<scalar_t, float>) return vector_path(k);
-#endif
+  return vector_path(k);
+#else
   return false;
+#endif
 }
 
 template <typename scalar_t>
 void forward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdges& h,
                     const Consts<scalar_t>& k, int64_t num_atoms, scalar_t* aev) {
 #ifdef TF_SIMD_AVX2
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (h.vectors) {
-      const bool wide = simd::have_avx512();
-      torchani_fast::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
-        const simd::FlushDenormals flush;
-        forward_atoms_vector(begin, end, species, h, k, aev, wide);
-      });
-      return;
-    }
+  if (h.vectors) {
+    const bool wide = simd::have_avx512();
+    torchani_fast::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+      const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);  // (float64 keeps denormals)
+      forward_atoms_vector(begin, end, species, h, k, aev, wide);
+    });
+    return;
   }
 #endif
   torchani_fast::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
@@ -157,16 +156,14 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
                      const Consts<scalar_t>& k, int64_t num_atoms, const scalar_t* grad_aev,
                      scalar_t* grad_edge) {
 #ifdef TF_SIMD_AVX2
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (h.vectors) {
-      const bool wide = simd::have_avx512();
-      torchani_fast::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
-        const simd::FlushDenormals flush;
-        zero_edges(h, begin, end, grad_edge);
-        backward_atoms_vector(begin, end, species, h, k, grad_aev, grad_edge, wide);
-      });
-      return;
-    }
+  if (h.vectors) {
+    const bool wide = simd::have_avx512();
+    torchani_fast::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {
+      const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
+      zero_edges(h, begin, end, grad_edge);
+      backward_atoms_vector(begin, end, species, h, k, grad_aev, grad_edge, wide);
+    });
+    return;
   }
 #endif
   torchani_fast::parallel_for(0, num_atoms, 8, [&](int64_t begin, int64_t end) {

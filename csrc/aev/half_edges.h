@@ -57,14 +57,15 @@ struct HalfEdges {
   std::vector<int64_t> seg;      // (N*S+1,) first half edge of each (atom, neighbour species)
   UninitVector<int64_t> pair;    // (E,) pair index (without vectors)
   UninitVector<int64_t> other;   // (E,) the neighbour atom (without vectors)
-  UninitVector<float> vec;       // (E, 4) with vectors: centre-to-neighbour x, y, z (and 0)
+  UninitVector<float> vec;       // (E, 4) with vectors (float32): centre-to-neighbour x, y, z (and 0)
+  UninitVector<double> vec64;    // (E, 4) the same with vectors in float64
   UninitVector<int64_t> edge0;   // (P,) half edge owned by i0, or -1
   UninitVector<int64_t> edge1;   // (P,) half edge owned by i1, or -1
   int64_t edges() const { return start.back(); }
   size_t bytes() const {
     return sizeof(int64_t) * (start.size() + seg.size() + pair.size() + other.size() +
                               edge0.size() + edge1.size()) +
-           sizeof(float) * vec.size();
+           sizeof(float) * vec.size() + sizeof(double) * vec64.size();
   }
 };
 
@@ -78,15 +79,15 @@ struct HalfEdges {
 // place them, for any number of chunks (the AEV sums over them in that
 // order: the same bits for any thread count).
 //
-// vectors (float32 only): store each half edge's centre-to-neighbour vector
-// (for the vectorised AEV kernels, which then read them in order) instead of
-// its pair and neighbour atom (for the portable kernels, HalfEdgeView).
+// vectors: store each half edge's centre-to-neighbour vector, in the working
+// dtype (vec or vec64: for the vectorised AEV kernels, which then read them in
+// order) instead of its pair and neighbour atom (for the portable kernels,
+// HalfEdgeView).
 template <typename scalar_t>
 HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int64_t* i0,
                            const int64_t* i1, const scalar_t* diff, int64_t num_pairs,
                            double cutoff, int64_t num_species, bool vectors) {
   static_assert(std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>);
-  TORCH_INTERNAL_ASSERT(!vectors || (std::is_same_v<scalar_t, float>));
   HalfEdges h;
   h.vectors = vectors;
   const int64_t S = num_species, NS = num_atoms * S;
@@ -148,12 +149,18 @@ HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int6
   for (int64_t n = 0; n <= num_atoms; ++n) h.start[n] = h.seg[n * S];
   const int64_t num_edges = e;
   if (vectors) {
-    h.vec.resize(4 * num_edges);
+    (std::is_same_v<scalar_t, float> ? h.vec.resize(4 * num_edges) : h.vec64.resize(4 * num_edges));
   } else {
     h.pair.resize(num_edges);
     h.other.resize(num_edges);
   }
-  float* const vec = h.vec.data();
+  // (the working dtype's vectors: vec or vec64)
+  scalar_t* const vec = [&] {
+    if constexpr (std::is_same_v<scalar_t, float>)
+      return h.vec.data();
+    else
+      return h.vec64.data();
+  }();
   int64_t* const pair = h.pair.data();
   int64_t* const other = h.other.data();
   torchani_fast::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
@@ -167,12 +174,11 @@ HalfEdges build_half_edges(const int64_t* species, int64_t num_atoms, const int6
         edge1[p] = eb;
         if (vectors) {
           // The centre-to-neighbour vector: -diff for i0's half edge, +diff for i1's.
-          const float x = static_cast<float>(diff[3 * p]), y = static_cast<float>(diff[3 * p + 1]),
-                      z = static_cast<float>(diff[3 * p + 2]);
-          float* va = vec + 4 * ea;
-          float* vb = vec + 4 * eb;
-          va[0] = -x, va[1] = -y, va[2] = -z, va[3] = 0.0f;
-          vb[0] = x, vb[1] = y, vb[2] = z, vb[3] = 0.0f;
+          const scalar_t x = diff[3 * p], y = diff[3 * p + 1], z = diff[3 * p + 2];
+          scalar_t* va = vec + 4 * ea;
+          scalar_t* vb = vec + 4 * eb;
+          va[0] = -x, va[1] = -y, va[2] = -z, va[3] = scalar_t(0);
+          vb[0] = x, vb[1] = y, vb[2] = z, vb[3] = scalar_t(0);
         } else {
           pair[ea] = pair[eb] = p;
           other[ea] = b;

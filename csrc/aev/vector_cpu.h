@@ -1,4 +1,5 @@
-// Entry points of the vectorised CPU AEV kernels (aev/vector_cpu.cpp), called
+// Entry points of the vectorised CPU AEV kernels (aev/vector_cpu.cpp: float32;
+// aev/vector_f64_cpu.cpp: float64), called
 // by aev/aev_cpu.cpp's forward and backward when the half edges carry vectors.
 #pragma once
 
@@ -22,6 +23,15 @@ void forward_atoms_vector(int64_t begin, int64_t end, const int64_t* species, co
 void backward_atoms_vector(int64_t begin, int64_t end, const int64_t* species,
                            const HalfEdges& h, const Consts<float>& k, const float* grad_aev,
                            float* grad_edge, bool wide);
+
+// float64 on AVX2 CPUs for the same shapes (vector_f64_cpu.cpp); wide: 8
+// lanes (AVX-512) instead of 4, the same bits.
+bool vector_path(const Consts<double>& k);
+void forward_atoms_vector(int64_t begin, int64_t end, const int64_t* species, const HalfEdges& h,
+                          const Consts<double>& k, double* aev, bool wide);
+void backward_atoms_vector(int64_t begin, int64_t end, const int64_t* species,
+                           const HalfEdges& h, const Consts<double>& k, const double* grad_aev,
+                           double* grad_edge, bool wide);
 #endif
 
 }  // namespace aev_cpu_detail

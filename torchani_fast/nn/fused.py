@@ -30,6 +30,7 @@ from .grouping import aten_composition_groups, aten_groups, composition_groups, 
 from .layout import (_activation_of, _aev_layout, _bitmask, _Layout, _zero_blocks_mean_no_neighbors,
                      aev_columns, charge_unsupported_reason, linears as _linears, unsupported_reason)
 from .packing import OpArgs, _NativePlan, _panel_pair, _watch_linear
+from .training import first_layer_pack, hidden_packs
 from .recompute import (RECOMPUTE_MIN_BYTES, RECOMPUTE_MIN_BYTES_GPU, _device_budget, _mlp_values,
                         _Recompute)
 
@@ -265,7 +266,8 @@ class _FusedBase(AtomicContainer):
             if not torch.jit.is_scripting():
                 self._eager_plans_clear()
             ws = self._member_weights()
-            hidden = self._pack_hidden(ws, act)
+            hidden = hidden_packs(ws, act, self.num_species, self.num_layers, self.layer_biases,
+                                  self.output_row)
         else:
             hidden = self._cached_hidden(act)
         if not training and self._recompute(aev, group_elem, group_size, k):
@@ -276,7 +278,10 @@ class _FusedBase(AtomicContainer):
         for g in range(len(group_size)):
             e = group_elem[g]
             if training:
-                first = self._pack_first(ws, act, e, group_mask[g])
+                present = [(group_mask[g] >> s) & 1 == 1 for s in range(self.num_species)]
+                cols = torch.tensor(self._columns(present), dtype=torch.long, device=aev.device)
+                full = cols.shape[0] == self.in_dim
+                first = [cols, first_layer_pack(ws, act, e, cols, full)]
             else:
                 first = self._cached_first(act, e, group_mask[g])
             cols = first[0]

@@ -1,0 +1,71 @@
+"""The weights of a training call: packed with few differentiable ops, never cached.
+
+While a parameter requires grad the fused networks evaluate in ATen ops
+(recompute.py) on weights packed from the live parameters on every call, so
+that the weight gradients are exact and an optimizer step is seen by the next
+call. The packs have the shapes of ``_FusedBase._pack_hidden`` and
+``_pack_first`` but are built as views (one member) or one ``cat``/``stack``
+per layer (ensembles) instead of one copy per member and layer: an
+ensemble's backward then has one node per layer, not one per member, and a
+single member's packs cost no copies at all. They need not be contiguous (the
+C++ op, which does need it, never runs in training).
+"""
+import typing as tp
+
+import torch
+from torch import Tensor
+
+
+def first_layer_pack(ws: tp.List[tp.List[tp.List[Tensor]]], act: tp.List[int], elem: int,
+                     cols: Tensor, full: bool) -> Tensor:
+    """``elem``'s layer-1 weights of the members ``act`` at AEV columns ``cols``
+    (all columns with ``full``): (K, k*d1), member i in columns i*d1 .. (i+1)*d1."""
+    if len(act) == 1:
+        w = ws[act[0]][elem][0]  # (d1, K_all)
+    else:
+        w = torch.cat([ws[j][elem][0] for j in act], 0)  # (k*d1, K_all)
+    if not full:
+        w = w.index_select(1, cols)
+    return w.t()
+
+
+def hidden_packs(ws: tp.List[tp.List[tp.List[Tensor]]], act: tp.List[int], num_species: int,
+                 num_layers: tp.List[int], layer_biases: tp.List[tp.List[bool]],
+                 output_row: int) -> tp.List[Tensor]:
+    """Per element: layer 1's bias (k*d1,), then W_l (k, d_in, d_out) and b_l (k, 1, d_out)
+    for l = 2..L (zeros for a layer without bias; the last layer's row
+    ``output_row`` only when it is >= 0), as ``_FusedBase._pack_hidden``."""
+    out: tp.List[Tensor] = []
+    k = len(act)
+    for e in range(num_species):
+        w1 = ws[act[0]][e][0]
+        if layer_biases[e][0]:
+            if k == 1:
+                out.append(ws[act[0]][e][1])
+            else:
+                out.append(torch.cat([ws[j][e][1] for j in act]))
+        else:
+            out.append(w1.new_zeros([k * w1.shape[0]]))
+        last = num_layers[e] - 1
+        for l in range(1, num_layers[e]):
+            row = output_row if l == last and output_row >= 0 else -1
+            weights: tp.List[Tensor] = []
+            biases: tp.List[Tensor] = []
+            for j in act:
+                wl = ws[j][e][2 * l]
+                weights.append((wl if row < 0 else wl.narrow(0, row, 1)).t())
+                if layer_biases[e][l]:
+                    bl = ws[j][e][2 * l + 1]
+                    biases.append(bl if row < 0 else bl.narrow(0, row, 1))
+            out_dim = weights[0].shape[1]
+            if k == 1:
+                out.append(weights[0].unsqueeze(0))
+            else:
+                out.append(torch.stack(weights))
+            if len(biases) == 0:
+                out.append(w1.new_zeros([k, 1, out_dim]))
+            elif k == 1:
+                out.append(biases[0].view(1, 1, out_dim))
+            else:
+                out.append(torch.stack(biases).view(k, 1, out_dim))
+    return out

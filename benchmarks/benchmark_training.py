@@ -15,6 +15,8 @@ Batches:
 
     python benchmarks/benchmark_training.py --cases ch4 2iuz --loss force --rounds 10
     python benchmarks/benchmark_training.py --profile ch4   # where the time goes
+
+(From a checkout that is not the installed package: ``PYTHONPATH=.`` first.)
 """
 import argparse
 import copy
@@ -31,7 +33,7 @@ import torchani_fast
 from torchani_fast.testing import random_model
 
 SHARED = Path("/work/shared/molecules")
-SMALL = ["CH4", "H2O", "NH3", "CH3OH", "HCN", "C2H6", "CH3CHO", "HCOOH", "CH3NH2", "C2H4"]
+SMALL = ["CH4", "H2O", "NH3", "CH3OH", "HCN", "C2H6", "CH3CHO", "HCOOH", "CH3CN", "C2H4", "CH3CH2OH"]
 
 
 def load_model(name):

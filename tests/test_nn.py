@@ -570,7 +570,12 @@ def test_first_layer_cache_is_bounded():
     for subset in subsets:
         s = torch.tensor([subset[k % len(subset)] for k in range(species.shape[1])]).unsqueeze(0)
         assert_energies(fast((s, coords)).energies, ref((s, coords)).energies, torch.float64)
-        assert len(nn._eager_cache) <= nn.max_first_layer_packs + 1  # + the hidden layers
+        keys = list(nn._eager_cache)
+        # layer-1 packs (keys >= 0) bounded; hidden layers and panels: at most one per element
+        # and one for the hidden layers
+        assert sum(k >= 0 for k in keys) <= nn.max_first_layer_packs
+        assert sum(k < 0 for k in keys) <= nn.num_species + 1
+    assert sum(k >= 0 for k in keys) == nn.max_first_layer_packs  # the bound was reached
 
 
 def test_rare_element_split():

@@ -495,12 +495,16 @@ class _FusedBase(AtomicContainer):
         key = ((_bitmask(act) * self.num_species + elem) << self.num_species) | mask
         first = cache.get(key)
         if first is None or self._stale(first[1]):
-            if len(cache) > self.max_first_layer_packs:
-                oldest = -1
-                for k in cache.keys():  # insertion order: drop the oldest layer-1 pack
-                    if k >= 0:
+            # At most max_first_layer_packs layer-1 packs (keys >= 0); the other
+            # entries (hidden layers, panels) are bounded by the elements.
+            firsts = 0
+            oldest = -1
+            for k in cache.keys():  # insertion order: the first one found is the oldest
+                if k >= 0:
+                    firsts += 1
+                    if oldest < 0:
                         oldest = k
-                        break
+            if firsts >= self.max_first_layer_packs and oldest >= 0:
                 cache.pop(oldest)
                 if not torch.jit.is_scripting():
                     self._eager_plans_clear()  # they may hold the dropped pack

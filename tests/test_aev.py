@@ -297,10 +297,13 @@ def test_reused_output_memory_never_overwrites_a_held_tensor():
     for x in geometries:
         got, expected = aev_and_grad(aevc, nets, x), aev_and_grad(ref_aevc, ref_nets, x)
         torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-12)
-        # The fused networks read only the columns of the elements present (the
-        # others are zero for this composition, and so is their gradient there).
-        used = expected[0].ne(0).flatten(0, 1).any(0)
-        torch.testing.assert_close(got[1][..., used], expected[1][..., used], rtol=1e-10, atol=1e-12)
+        # The fused networks skip an atom's 16-column AEV chunks that are zero (no
+        # neighbours of that kind: the AEV's derivative there is zero too, so J is
+        # not needed there); compare where the atom's chunk is nonzero.
+        nonzero = expected[0].unflatten(-1, (-1, 16)).ne(0).any(-1, keepdim=True)
+        used = nonzero.expand(*nonzero.shape[:-1], 16).flatten(-2)
+        assert used.float().mean() > 0.2
+        torch.testing.assert_close(got[1][used], expected[1][used], rtol=1e-10, atol=1e-12)
 
 
 def test_chunked_half_edges_same_bits_for_any_thread_count():

@@ -554,19 +554,57 @@ def test_hessians(name):
     torch.testing.assert_close(got.hessians[0, k], -(fp - fm) / (2 * h), rtol=0, atol=1e-6)
 
 
-def test_energy_forces_step_refuses_extra_potentials_and_kept_aev():
+@pytest.mark.parametrize("name", ["ANI2xr", "ANI2dr", "ANIr2s", "ANImbis"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_energy_forces_step_with_pair_potentials(name, dtype):
+    # The step evaluates repulsion and dispersion from its one fixed-capacity list
+    # (at the model's cutoff: 8 Å with D3, every pair for ANIr2s): TorchANI's
+    # energies and forces over geometries the step did not see when built.
+    ref, fast = pair(name, dtype)
+    species, coords = molecule(fast, 20, dtype=dtype)
+    step = torchani_fast.EnergyForcesStep(fast, species, coords)
+    assert step.potentials == [p for k, p in fast.potentials.items() if k != "nnp"]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = coords + 0.1 * torch.randn(coords.shape, generator=g, dtype=torch.float64).to(dtype)
+        e, f = step(x)
+        e_ref, f_ref = energy_forces(ref, species, x)
+        assert_close(e, e_ref, dtype)
+        assert_close(f, f_ref, dtype, "forces")
+
+
+def test_energy_forces_step_with_dispersion_in_a_small_periodic_cell():
+    ref, fast = pair("ANI2dr")
+    atoms = triclinic_water()
+    species = torch.tensor(atoms.numbers).unsqueeze(0)
+    coords = torch.tensor(atoms.positions).unsqueeze(0)
+    cell, pbc = torch.tensor(atoms.cell.array), torch.tensor([True, True, True])
+    step = torchani_fast.EnergyForcesStep(fast, species, coords, cell, pbc)
+    x = coords + 0.05
+    e, f = step(x)
+    e_ref, f_ref = energy_forces(ref, species, x, cell, pbc)
+    assert_close(e, e_ref, torch.float64)
+    assert_close(f, f_ref, torch.float64, "forces")
+    # Without the pair potentials it is the ANI potential alone (ANI-2xr's smooth-cutoff
+    # AEV and GELU networks in the step).
+    for name in ("repulsion_xtb", "dispersion_d3"):
+        fast.potentials[name]._enabled = ref.potentials[name]._enabled = False
+    fast._has_extra_potentials = fast._check_has_extra_potentials()
+    ref._has_extra_potentials = ref._check_has_extra_potentials()
+    step = torchani_fast.EnergyForcesStep(fast, species, coords, cell, pbc)
+    assert step.potentials == []
+    e, f = step(x)
+    e_ref, f_ref = energy_forces(ref, species, x, cell, pbc)
+    assert_close(e, e_ref, torch.float64)
+    assert_close(f, f_ref, torch.float64, "forces")
+
+
+def test_energy_forces_step_refuses_a_kept_potential_and_a_kept_aev():
     _, fast = pair("ANI2xr")
     species, coords = molecule(fast, 8)
-    with pytest.raises(NotImplementedError, match=r"only the ANI potential.*repulsion_xtb"):
+    fast.potentials["repulsion_xtb"].__class__ = torchani.potentials.RepulsionXTB  # as if kept
+    with pytest.raises(NotImplementedError, match=r"also has \['repulsion_xtb'\]"):
         torchani_fast.EnergyForcesStep(fast, species, coords)
-    # Without its repulsion, ANI-2xr's smooth-cutoff AEV and GELU networks run in the step.
-    fast.potentials["repulsion_xtb"]._enabled = False
-    fast._has_extra_potentials = fast._check_has_extra_potentials()
-    step = torchani_fast.EnergyForcesStep(fast, species, coords)
-    e, f = step(coords)
-    e_ref, f_ref = energy_forces(fast, species, coords)
-    torch.testing.assert_close(e, e_ref, rtol=1e-10, atol=0)
-    torch.testing.assert_close(f, f_ref, rtol=1e-9, atol=1e-12)
     # A model whose AEV stays TorchANI's is refused, naming why.
     from torchani.cutoffs import CutoffBiweight
 

@@ -9,6 +9,8 @@ the species (and the cell and pbc) once, and then each call
 - finds the neighbours with a fixed-capacity list (``max_pairs``; no sync),
 - computes the AEVs and the fused networks with the element groups found at
   construction (no sync),
+- adds the model's repulsion and dispersion (ANI-2xr, ANI-2dr, ...) from the
+  same neighbour list, on the CPU,
 
 so on CUDA the whole step, forces included, is captured once in a CUDA graph
 and replayed. Each call then checks the pair count (one sync, ~10 us), which
@@ -32,11 +34,11 @@ import typing as tp
 import torch
 from torch import Tensor
 
-from . import ops
 from .aev import AEVComputer, NeighborList
 from .nn import FusedEnsemble, FusedNetworks
 from .evaluate import forces_of, require_tensors
 from .patch import is_patched, kept_parts, nnp_of
+from .potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList
 from .validation import check_periodic_work
 
 __all__ = ["EnergyForcesStep"]
@@ -78,11 +80,18 @@ class EnergyForcesStep:
     ):
         if not is_patched(model):
             raise TypeError("EnergyForcesStep needs a model patched by torchani_fast.patch()")
-        if getattr(model, "_has_extra_potentials", False):
-            extra = [k for k, p in model.potentials.items() if k != "nnp" and p._enabled]
+        extra = {k: p for k, p in model.potentials.items() if k != "nnp" and p._enabled}
+        kept = [k for k, p in extra.items() if not isinstance(p, (FastRepulsionXTB, FastDispersionD3))]
+        if kept:
             raise NotImplementedError(
-                "EnergyForcesStep supports models with only the ANI potential; this model also has "
-                f"{extra} (evaluate it with model.energies_forces or the ASE calculator)")
+                f"EnergyForcesStep evaluates the ANI potential and torchani_fast's repulsion and "
+                f"dispersion; this model also has {kept} (evaluate it with model.energies_forces "
+                "or the ASE calculator)")
+        if extra and coords.device.type != "cpu":
+            raise NotImplementedError(
+                f"EnergyForcesStep on {coords.device.type} supports models with only the ANI "
+                f"potential; this model also has {list(extra)} (pair potentials run in the step "
+                "on the CPU only; on the GPU use model.energies_forces)")
         nnp = nnp_of(model)
         if not isinstance(nnp.aev_computer, AEVComputer):
             raise NotImplementedError(
@@ -99,14 +108,19 @@ class EnergyForcesStep:
         # Validation of everything, once, by the model itself (names the bad argument).
         model._check_inputs(species, coords, 0)
         check_periodic_work(species, coords, cell, pbc, float(model.cutoff), values=True)
+        # One neighbour list at the model's cutoff: the AEV reads the pairs within its
+        # own cutoff, each pair potential those within its own (an infinite one, all pairs).
+        self.cutoff = float(model.cutoff)
+        search = UnboundedNeighborList if self.cutoff == float("inf") else NeighborList
         with torch.no_grad():
             elem = model.species_converter(species, nop=not model.periodic_table_index)
-            pairs, _ = ops.neighbor_pairs(elem, coords, cell, pbc, float(model.cutoff), True)
+            num_pairs = search(model.neighborlist.strategy)(self.cutoff, elem, coords, cell, pbc).indices.shape[1]
             self.shift = model.energy_shifter(elem).detach() if model.energy_shifter._enabled \
                 else coords.new_zeros(coords.shape[0])
         if max_pairs is None:
-            max_pairs = int(1.3 * pairs.shape[1]) + 64
-        self.neighborlist = NeighborList(model.neighborlist.strategy, max_pairs=max_pairs).to(coords.device)
+            max_pairs = int(1.3 * num_pairs) + 64
+        self.neighborlist = search(model.neighborlist.strategy, max_pairs=max_pairs).to(coords.device)
+        self.potentials = list(extra.values())
         self.aev_computer = AEVComputer(nnp.aev_computer.radial, nnp.aev_computer.angular,
                                         nnp.aev_computer.num_species, nnp.aev_computer.triu_index,
                                         self.neighborlist)
@@ -132,8 +146,15 @@ class EnergyForcesStep:
         return self.neighborlist.max_pairs
 
     def _eager(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
-        aev = self.aev_computer(self.elem, x, self.cell, self.pbc)
+        if not self.potentials:
+            aev = self.aev_computer(self.elem, x, self.cell, self.pbc)
+            energies = self.networks.energies_fixed(self.elem, aev, self.groups) + self.shift
+            return energies.detach(), forces_of(energies, x)
+        neighbors = self.neighborlist(self.cutoff, self.elem, x, self.cell, self.pbc)
+        aev = self.aev_computer.compute_from_neighbors(self.elem, x, neighbors)
         energies = self.networks.energies_fixed(self.elem, aev, self.groups) + self.shift
+        for pot in self.potentials:
+            energies = energies + pot.compute_from_neighbors(self.elem, x, neighbors).energies
         return energies.detach(), forces_of(energies, x)
 
     def _warm_up(self, coords: Tensor, capture: bool) -> None:

@@ -682,3 +682,31 @@ def test_cli_refuses_periodic_anir2s_and_wrong_elements(tmp_path, capsys):
     ase.io.write(cl, ase.Atoms("CCl", positions=[[0, 0, 0], [1.7, 0, 0]]))
     assert cli.main(["energy", str(cl), "-m", "ANI1xnr", "--no-progress"]) != 0
     assert "Cl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["ANI2dr", "ANImbis", "ANIr2s"])
+def test_the_model_list_is_not_copied_per_potential(name, monkeypatch):
+    # torchani_fast's AEV and pair ops skip pairs beyond their cutoff: the patched model
+    # hands them its one list (TorchANI copies it per potential); the same numbers.
+    import torchani_fast.potentials as potentials
+
+    ref, fast = pair(name)
+    species, coords = molecule(fast, 20)
+    scripted = torch.jit.script(fast)  # (before the counting function replaces TorchANI's)
+    copies = []
+    monkeypatch.setattr(potentials, "discard_outside_cutoff",
+                        lambda nb, cutoff: copies.append(cutoff) or discard_outside_cutoff(nb, cutoff))
+    for model in (fast, scripted):
+        e, f = energy_forces(model, species, coords)
+        e_ref, f_ref = energy_forces(ref, species, coords)
+        assert_close(e, e_ref, torch.float64)
+        assert_close(f, f_ref, torch.float64, "forces")
+    assert copies == []
+    # A potential the model keeps as TorchANI's gets its copy, as in TorchANI.
+    if "dispersion_d3" in fast.potentials:
+        fast.potentials["dispersion_d3"].fast_cutoff_kind = -1  # (the ATen code: reads its own pairs)
+        e, f = energy_forces(fast, species, coords)
+        assert copies == [fast.potentials["dispersion_d3"].cutoff]
+        e_ref, f_ref = energy_forces(ref, species, coords)
+        assert_close(e, e_ref, torch.float64)
+        assert_close(f, f_ref, torch.float64, "forces")

@@ -16,7 +16,9 @@ members that TorchANI calls through are replaced:
 - TorchANI's ``RepulsionXTB`` and ``TwoBodyDispersionD3`` (ANI-2xr, ANI-2dr,
   ANIr2s...) -> :mod:`torchani_fast.potentials`' subclasses of them (the class
   is swapped in place: same buffers and state dict), evaluated on the model's
-  one neighbour list.
+  one neighbour list, which the patched model hands to torchani_fast's AEV and
+  pair ops as it is (they skip pairs beyond their cutoff; TorchANI copies the
+  list per potential: :class:`torchani_fast.potentials.OneNeighborList`).
 
 A part that torchani_fast does not reproduce exactly (an AEV with TorchANI's
 smooth cutoff, GELU networks...) stays TorchANI's, fed by torchani_fast's
@@ -33,7 +35,7 @@ from .aev import AEVComputer, NeighborList
 from .validation import SpeciesConverter, ValidatedModel
 from .nn import (FusedChargeNetworks, _FusedBase, charge_unsupported_reason, fuse_charge_networks,
                  fuse_networks, unsupported_reason)
-from .potentials import UnboundedNeighborList, speed_up
+from .potentials import OneNeighborListANI, OneNeighborListANIq, UnboundedNeighborList, speed_up
 
 __all__ = ["patch", "is_patched", "kept_parts", "nnp_of"]
 
@@ -186,9 +188,12 @@ _FRONT_DOOR_CLASSES: dict = {}
 def _front_door_class(base: type) -> type:
     cls = _FRONT_DOOR_CLASSES.get(base)
     if cls is None:
+        from torchani.arch import ANIq
+
+        one_list = OneNeighborListANIq if issubclass(base, ANIq) else OneNeighborListANI
         name = "Patched" + base.__name__
-        cls = type(name, (_FrontDoor, ValidatedModel, base), {"__module__": __name__, "__qualname__": name,
-                                              "__doc__": base.__doc__})
+        cls = type(name, (_FrontDoor, ValidatedModel, one_list, base),
+                   {"__module__": __name__, "__qualname__": name, "__doc__": base.__doc__})
         _FRONT_DOOR_CLASSES[base] = cls
         globals().setdefault(name, cls)
     return cls

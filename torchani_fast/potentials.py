@@ -32,14 +32,15 @@ import typing as tp
 import torch
 from torch import Tensor
 from torchani.cutoffs import CutoffCosine, CutoffDummy, CutoffSmooth
-from torchani.neighbors import Neighbors
+from torchani.neighbors import Neighbors, discard_outside_cutoff
 from torchani.potentials import RepulsionXTB, TwoBodyDispersionD3
 from torchani.tuples import EnergiesScalars
 
 from . import ops
 from .aev import NeighborList
 
-__all__ = ["FastRepulsionXTB", "FastDispersionD3", "UnboundedNeighborList", "speed_up",
+__all__ = ["FastRepulsionXTB", "FastDispersionD3", "UnboundedNeighborList", "OneNeighborListANI",
+           "OneNeighborListANIq", "speed_up",
            "d3_unsupported_reason"]
 
 
@@ -277,3 +278,96 @@ def speed_up(pot: torch.nn.Module) -> tp.Optional[str]:
     if type(pot) in (FastRepulsionXTB, FastDispersionD3):
         pot.fast_cutoff_kind, pot.fast_cutoff_order, pot.fast_cutoff_eps = _cutoff_args(pot.cutoff_fn)
     return None
+
+
+# -- the model's one list, unnarrowed --------------------------------------------------------
+# TorchANI's ANI.compute_from_neighbors copies the model's neighbour list once per
+# potential, keeping the pairs within that potential's cutoff (discard_outside_cutoff:
+# a nonzero over all pairs and three index_selects, and their backward). torchani_fast's
+# AEV and its pair-potential ops skip the pairs beyond their own cutoff themselves, so
+# the patched model hands them the list as it is; any other potential still gets its copy.
+
+
+class OneNeighborList:
+    """Mixin for patched models: :meth:`_neighbors_per_potential`."""
+
+    def _neighbors_per_potential(self, neighbors: Neighbors) -> tp.List[Neighbors]:
+        """The list each potential of ``self.potentials`` reads, in their order."""
+        out: tp.List[Neighbors] = []
+        for pot in self.potentials.values():
+            whole = not pot._enabled  # (not evaluated: no copy)
+            if hasattr(pot, "fast_cutoff_kind"):  # FastRepulsionXTB / FastDispersionD3
+                whole = whole or _use_op(pot.fast_cutoff_kind, neighbors)
+            if hasattr(pot, "aev_computer"):
+                if hasattr(pot.aev_computer, "cutoff_kind"):  # torchani_fast's AEVComputer
+                    whole = True
+            out.append(neighbors if whole else discard_outside_cutoff(neighbors, pot.cutoff))
+        return out
+
+
+class OneNeighborListANI(OneNeighborList):
+    """``ANI.compute_from_neighbors`` (TorchANI 2.9's) with :meth:`_neighbors_per_potential`."""
+
+    @torch.jit.export
+    def compute_from_neighbors(
+        self,
+        elem_idxs: Tensor,
+        coords: Tensor,
+        neighbors: Neighbors,
+        charge: int = 0,
+        atomic: bool = False,
+        ensemble_values: bool = False,
+    ) -> EnergiesScalars:
+        self._check_inputs(elem_idxs, coords, charge)
+        energies = coords.new_zeros(elem_idxs.shape[0])
+        if atomic:
+            energies = energies.unsqueeze(1)
+        if ensemble_values:
+            energies = energies.unsqueeze(0)
+        lists = self._neighbors_per_potential(neighbors)
+        k = 0
+        for pot in self.potentials.values():
+            if pot._enabled:
+                result = pot.compute_from_neighbors(elem_idxs, coords, lists[k], charge, atomic, ensemble_values)
+                energies = energies + result.energies
+            k += 1
+        if self.energy_shifter._enabled:
+            energies = energies + self.energy_shifter(elem_idxs, atomic=atomic)
+        return EnergiesScalars(energies)
+
+
+class OneNeighborListANIq(OneNeighborList):
+    """``ANIq.compute_from_neighbors`` (TorchANI 2.9's) with :meth:`_neighbors_per_potential`."""
+
+    @torch.jit.export
+    def compute_from_neighbors(
+        self,
+        elem_idxs: Tensor,
+        coords: Tensor,
+        neighbors: Neighbors,
+        charge: int = 0,
+        atomic: bool = False,
+        ensemble_values: bool = False,
+    ) -> EnergiesScalars:
+        self._check_inputs(elem_idxs, coords, charge)
+        qs = coords.new_zeros(elem_idxs.shape)  # atomic charges
+        energies = coords.new_zeros(elem_idxs.shape[0])
+        if atomic:
+            energies = energies.unsqueeze(1)
+        if ensemble_values:
+            energies = energies.unsqueeze(0)
+            qs = energies.unsqueeze(0)  # (as TorchANI 2.9 has it)
+        lists = self._neighbors_per_potential(neighbors)
+        k = 0
+        for name, pot in self.potentials.items():
+            if pot._enabled:
+                e, q = pot.compute_from_neighbors(elem_idxs, coords, lists[k], charge, atomic, ensemble_values)
+                energies = energies + e
+                if name == "nnp":
+                    assert q is not None
+                    qs = qs + q
+            k += 1
+        if self.energy_shifter._enabled:
+            energies = energies + self.energy_shifter(elem_idxs, atomic=atomic)
+        return EnergiesScalars(energies, qs)
+

@@ -710,3 +710,25 @@ def test_the_model_list_is_not_copied_per_potential(name, monkeypatch):
         e_ref, f_ref = energy_forces(ref, species, coords)
         assert_close(e, e_ref, torch.float64)
         assert_close(f, f_ref, torch.float64, "forces")
+
+
+@pytest.mark.parametrize("name", ["ANI2xr", "ANImbis", "user subclass"])
+def test_full_model_pickle_round_trip(name, tmp_path):
+    # torch.save(model) of a patched model: its class is found again by name
+    # (patch.PatchedANI / PatchedANIq; a user's subclass of ANI: _front_door's).
+    ref = stock("ANI2xr" if name == "user subclass" else name)
+    if name == "user subclass":
+        ref.__class__ = type("MyANI", (type(ref),), {"__module__": __name__})
+        globals()["MyANI"] = type(ref)  # (pickle finds the user's class in its module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = torchani_fast.patch(copy.deepcopy(ref))
+    assert type(fast).__name__ == "Patched" + type(ref).__name__ and isinstance(fast, type(ref))
+    torch.save(fast, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(loaded) is type(fast)
+    species, coords = molecule(fast, 12)
+    e_ref, f_ref = energy_forces(ref, species, coords)
+    e, f = energy_forces(loaded, species, coords)
+    assert_close(e, e_ref, torch.float64)
+    assert_close(f, f_ref, torch.float64, "forces")

@@ -35,6 +35,7 @@ from torchani.models import BuiltinEnsemble, BuiltinModel
 from torchani.nn import SpeciesEnergies
 
 from . import ops
+from ._front_door import front_door_class
 from .aev import NeighborList
 from .nn.fused import _FusedBase
 from .nn.layout import _Layout, linears
@@ -404,25 +405,20 @@ class _EnsembleFrontDoor:
         return member
 
 
-_FRONT_DOOR_CLASSES: dict = {}
+class PatchedBuiltinModel(_ModelFrontDoor, BuiltinModel):
+    __doc__ = BuiltinModel.__doc__
 
 
-def _front_door_class(base: type) -> type:
-    cls = _FRONT_DOOR_CLASSES.get(base)
-    if cls is None:
-        name = "Patched" + base.__name__
-        mixin = _EnsembleFrontDoor if issubclass(base, BuiltinEnsemble) else _ModelFrontDoor
-        cls = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name,
-                                         "__doc__": base.__doc__})
-        _FRONT_DOOR_CLASSES[base] = cls
-        globals().setdefault(name, cls)
-    return cls
+class PatchedBuiltinEnsemble(_EnsembleFrontDoor, BuiltinEnsemble):
+    __doc__ = BuiltinEnsemble.__doc__
+
+
+def _mixins(base: type) -> tp.Tuple[type, ...]:
+    # (for a user's subclass of BuiltinModel or BuiltinEnsemble)
+    return (_EnsembleFrontDoor if issubclass(base, BuiltinEnsemble) else _ModelFrontDoor,)
 
 
 def _install_front_door(model: torch.nn.Module) -> None:
     if not isinstance(model, (_ModelFrontDoor, _EnsembleFrontDoor)):
-        model.__class__ = _front_door_class(type(model))
-
-
-for _base in (BuiltinModel, BuiltinEnsemble):  # registered by name, so torch.save(model) loads
-    _front_door_class(_base)
+        model.__class__ = front_door_class(
+            type(model), {BuiltinModel: PatchedBuiltinModel, BuiltinEnsemble: PatchedBuiltinEnsemble}, _mixins)

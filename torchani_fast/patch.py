@@ -30,7 +30,9 @@ import warnings
 import weakref
 
 import torch
+from torchani.arch import ANI, ANIq
 
+from ._front_door import front_door_class
 from .aev import AEVComputer, NeighborList
 from .validation import SpeciesConverter, ValidatedModel
 from .nn import (FusedChargeNetworks, _FusedBase, charge_unsupported_reason, fuse_charge_networks,
@@ -153,12 +155,10 @@ def nnp_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # --- front door: ``patched.ase()`` and ``patched.energies_forces()`` --------------
-# The patched model keeps its TorchANI class but gets a subclass of it whose
-# ``ase`` returns torchani_fast's calculator. The subclass adds only Python-side
-# methods that TorchScript never compiles (they are not ``forward`` nor exported),
-# so ``torch.jit.script(patched)`` scripts exactly what it scripted before. One
-# class is made per TorchANI class and registered in this module under its name,
-# so full-model pickling (``torch.save(model)``) finds it again.
+# The patched model gets a subclass of its TorchANI class (torchani_fast/_front_door.py):
+# _FrontDoor's Python-side methods, which TorchScript never compiles (they are not
+# ``forward`` nor exported), ValidatedModel's ``_check_inputs`` and the one-list
+# ``compute_from_neighbors``, which it compiles in TorchANI's place.
 class _FrontDoor:
     """Eager-only conveniences that :func:`patch` adds to a model."""
 
@@ -182,33 +182,19 @@ class _FrontDoor:
         return energies_forces(self, species, coords, cell, pbc)
 
 
-_FRONT_DOOR_CLASSES: dict = {}
+class PatchedANI(_FrontDoor, ValidatedModel, OneNeighborListANI, ANI):
+    __doc__ = ANI.__doc__
 
 
-def _front_door_class(base: type) -> type:
-    cls = _FRONT_DOOR_CLASSES.get(base)
-    if cls is None:
-        from torchani.arch import ANIq
+class PatchedANIq(_FrontDoor, ValidatedModel, OneNeighborListANIq, ANIq):
+    __doc__ = ANIq.__doc__
 
-        one_list = OneNeighborListANIq if issubclass(base, ANIq) else OneNeighborListANI
-        name = "Patched" + base.__name__
-        cls = type(name, (_FrontDoor, ValidatedModel, one_list, base),
-                   {"__module__": __name__, "__qualname__": name, "__doc__": base.__doc__})
-        _FRONT_DOOR_CLASSES[base] = cls
-        globals().setdefault(name, cls)
-    return cls
+
+def _mixins(base: type) -> tp.Tuple[type, ...]:
+    # (for a user's subclass of ANI or ANIq)
+    return (_FrontDoor, ValidatedModel, OneNeighborListANIq if issubclass(base, ANIq) else OneNeighborListANI)
 
 
 def _install_ase(model: torch.nn.Module) -> None:
     if not isinstance(model, _FrontDoor):
-        model.__class__ = _front_door_class(type(model))
-
-
-def _register_torchani_classes() -> None:
-    from torchani.arch import ANI, ANIq
-
-    for base in (ANI, ANIq):
-        _front_door_class(base)
-
-
-_register_torchani_classes()
+        model.__class__ = front_door_class(type(model), {ANI: PatchedANI, ANIq: PatchedANIq}, _mixins)

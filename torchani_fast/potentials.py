@@ -306,7 +306,7 @@ class OneNeighborList:
 
 
 class OneNeighborListANI(OneNeighborList):
-    """``ANI.compute_from_neighbors`` (TorchANI 2.9's) with :meth:`_neighbors_per_potential`."""
+    """``ANI.compute_from_neighbors`` (the same in TorchANI 2.7-2.9) with :meth:`_neighbors_per_potential`."""
 
     @torch.jit.export
     def compute_from_neighbors(
@@ -337,7 +337,7 @@ class OneNeighborListANI(OneNeighborList):
 
 
 class OneNeighborListANIq(OneNeighborList):
-    """``ANIq.compute_from_neighbors`` (TorchANI 2.9's) with :meth:`_neighbors_per_potential`."""
+    """``ANIq.compute_from_neighbors`` (the same in TorchANI 2.7-2.9) with :meth:`_neighbors_per_potential`."""
 
     @torch.jit.export
     def compute_from_neighbors(

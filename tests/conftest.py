@@ -97,3 +97,30 @@ devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.fixture(params=devices)
 def device(request):
     return request.param
+
+
+# -- instruction-set levels of the CPU kernels ------------------------------------------------
+ISA_LEVELS = ("none", "avx2", "avx512")  # lowest first
+
+
+@pytest.fixture(params=ISA_LEVELS[::-1])
+def isa(request):
+    """Each instruction-set level the kernels have (capped), restored afterwards."""
+    before = torchani_fast.cpu_isa()
+    if ISA_LEVELS.index(request.param) > ISA_LEVELS.index(before):
+        pytest.skip(f"the CPU runs {before}")
+    torchani_fast.cpu_isa(request.param)
+    yield request.param
+    torchani_fast.cpu_isa("avx512")
+    assert torchani_fast.cpu_isa() == before
+
+
+@pytest.fixture
+def levels():
+    """The levels this CPU runs, lowest first; the cap is restored afterwards."""
+    before = torchani_fast.cpu_isa()
+    best = torchani_fast.cpu_isa("avx512")
+    try:
+        yield ISA_LEVELS[: ISA_LEVELS.index(best) + 1]
+    finally:
+        torchani_fast.cpu_isa(before)

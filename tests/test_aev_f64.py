@@ -10,18 +10,6 @@ import torchani_fast
 from torchani_fast import ops
 from conftest import atoms_to_tensors, read_molecule, reference_model
 
-ORDER = ("none", "avx2", "avx512")
-
-
-@pytest.fixture
-def levels():
-    before = torchani_fast.cpu_isa()
-    best = torchani_fast.cpu_isa("avx512")
-    try:
-        yield ORDER[: ORDER.index(best) + 1]
-    finally:
-        torchani_fast.cpu_isa(before)
-
 
 def aev_and_grad(aevc, species, coords, cell, pbc, weights):
     x = coords.detach().clone().requires_grad_(True)

@@ -23,19 +23,6 @@ from conftest import MOLECULES, atoms_to_tensors, energy_forces, model_pair, rea
 from test_ensemble_op import make_groups, op, panels_of, reference
 from test_nn import assert_energies, assert_forces
 
-ORDER = ("none", "avx2", "avx512")
-
-
-@pytest.fixture
-def levels():
-    """The levels this CPU runs, lowest first; the cap is restored afterwards."""
-    before = torchani_fast.cpu_isa()
-    best = torchani_fast.cpu_isa("avx512")
-    try:
-        yield ORDER[: ORDER.index(best) + 1]
-    finally:
-        torchani_fast.cpu_isa(before)
-
 
 def run_at(level, fn, *args):
     assert torchani_fast.cpu_isa(level) == level

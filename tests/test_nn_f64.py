@@ -12,34 +12,19 @@ import torch
 
 import torchani_fast
 from torchani_fast.testing import random_model
-from conftest import energy_forces, model_pair, reference_model
+from conftest import ISA_LEVELS, energy_forces, model_pair, reference_model
 from test_ensemble_op import make_groups, op, panels_of, reference
 from test_nn import BATCHES, assert_energies, assert_forces, padded_batch
 from test_nn_gelu import make_groups as make_gelu_groups
 from test_nn_gelu import reference_values as gelu_reference_values
 
 ops = torch.ops.torchani_fast
-ISAS = ["avx512", "avx2", "none"]
 TOL = dict(rtol=1e-10, atol=1e-12)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Each instruction-set level the kernels have (capped), restored afterwards."""
-    before = torchani_fast.cpu_isa()
-    if request.param == "avx512" and before != "avx512":
-        pytest.skip(f"the CPU runs {before}")
-    if request.param == "avx2" and before == "none":
-        pytest.skip("the CPU has no AVX2")
-    torchani_fast.cpu_isa(request.param)
-    yield request.param
-    torchani_fast.cpu_isa("avx512")
-    assert torchani_fast.cpu_isa() == before
 
 
 def _levels():
     best = torchani_fast.cpu_isa()
-    return ISAS[ISAS.index(best):][::-1]  # lowest first
+    return ISA_LEVELS[: ISA_LEVELS.index(best) + 1]  # lowest first
 
 
 def _at(level, fn):

@@ -22,26 +22,11 @@ from test_nn import assert_energies, assert_forces, padded_batch
 
 ops = torch.ops.torchani_fast
 F32_EPS = torch.finfo(torch.float32).eps
-ISAS = ["avx512", "avx2", "none"]
 ERF_ULPS = 1.5  # the polynomial erf: 1.14 measured (the C library: 0.83)
 GELU_ULPS = 8  # float32 GELU against the exact value (6.1 measured, in the left tail near x = -1.9)
 
 # H C N O S F Cl: every element network of the 2x models, padding and an empty row.
 BATCH = ["3lka_ligand.xyz", "3hkw_ligand.xyz", "CH3Cl"]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Each instruction-set level the kernels have (capped), restored afterwards."""
-    before = torchani_fast.cpu_isa()
-    if request.param == "avx512" and before != "avx512":
-        pytest.skip(f"the CPU runs {before}")
-    if request.param == "avx2" and before == "none":
-        pytest.skip("the CPU has no AVX2")
-    torchani_fast.cpu_isa(request.param)
-    yield request.param
-    torchani_fast.cpu_isa("avx512")
-    assert torchani_fast.cpu_isa() == before
 
 
 def ulps(actual, expected64):

@@ -304,6 +304,22 @@ class OneNeighborList:
             out.append(neighbors if whole else discard_outside_cutoff(neighbors, pot.cutoff))
         return out
 
+    def _zero_energies(self, elem_idxs: Tensor, coords: Tensor, charge: int, atomic: bool,
+                       ensemble_values: bool) -> Tensor:
+        """The inputs checked, and zeros of the output's shape (TorchANI's start)."""
+        self._check_inputs(elem_idxs, coords, charge)
+        energies = coords.new_zeros(elem_idxs.shape[0])
+        if atomic:
+            energies = energies.unsqueeze(1)
+        if ensemble_values:
+            energies = energies.unsqueeze(0)
+        return energies
+
+    def _shifted(self, energies: Tensor, elem_idxs: Tensor, atomic: bool) -> Tensor:
+        if self.energy_shifter._enabled:
+            energies = energies + self.energy_shifter(elem_idxs, atomic=atomic)
+        return energies
+
 
 class OneNeighborListANI(OneNeighborList):
     """``ANI.compute_from_neighbors`` (the same in TorchANI 2.7-2.9) with :meth:`_neighbors_per_potential`."""
@@ -318,12 +334,7 @@ class OneNeighborListANI(OneNeighborList):
         atomic: bool = False,
         ensemble_values: bool = False,
     ) -> EnergiesScalars:
-        self._check_inputs(elem_idxs, coords, charge)
-        energies = coords.new_zeros(elem_idxs.shape[0])
-        if atomic:
-            energies = energies.unsqueeze(1)
-        if ensemble_values:
-            energies = energies.unsqueeze(0)
+        energies = self._zero_energies(elem_idxs, coords, charge, atomic, ensemble_values)
         lists = self._neighbors_per_potential(neighbors)
         k = 0
         for pot in self.potentials.values():
@@ -331,9 +342,7 @@ class OneNeighborListANI(OneNeighborList):
                 result = pot.compute_from_neighbors(elem_idxs, coords, lists[k], charge, atomic, ensemble_values)
                 energies = energies + result.energies
             k += 1
-        if self.energy_shifter._enabled:
-            energies = energies + self.energy_shifter(elem_idxs, atomic=atomic)
-        return EnergiesScalars(energies)
+        return EnergiesScalars(self._shifted(energies, elem_idxs, atomic))
 
 
 class OneNeighborListANIq(OneNeighborList):
@@ -349,14 +358,10 @@ class OneNeighborListANIq(OneNeighborList):
         atomic: bool = False,
         ensemble_values: bool = False,
     ) -> EnergiesScalars:
-        self._check_inputs(elem_idxs, coords, charge)
+        energies = self._zero_energies(elem_idxs, coords, charge, atomic, ensemble_values)
         qs = coords.new_zeros(elem_idxs.shape)  # atomic charges
-        energies = coords.new_zeros(elem_idxs.shape[0])
-        if atomic:
-            energies = energies.unsqueeze(1)
         if ensemble_values:
-            energies = energies.unsqueeze(0)
-            qs = energies.unsqueeze(0)  # (as TorchANI 2.9 has it)
+            qs = energies.unsqueeze(0)  # (as TorchANI has it)
         lists = self._neighbors_per_potential(neighbors)
         k = 0
         for name, pot in self.potentials.items():
@@ -367,7 +372,5 @@ class OneNeighborListANIq(OneNeighborList):
                     assert q is not None
                     qs = qs + q
             k += 1
-        if self.energy_shifter._enabled:
-            energies = energies + self.energy_shifter(elem_idxs, atomic=atomic)
-        return EnergiesScalars(energies, qs)
+        return EnergiesScalars(self._shifted(energies, elem_idxs, atomic), qs)
 

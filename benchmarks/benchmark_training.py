@@ -91,7 +91,7 @@ MODEL_OF = {"ch4": "ANI1x", "2iuz": "ANI2x", "mixed": "ANI1x"}
 class Trainer:
     """One model, its optimizer and a fixed batch with targets."""
 
-    def __init__(self, model, species, coords, targets, force, lr=1e-5):
+    def __init__(self, model, species, coords, targets, force, lr=1e-5, weights_only=False):
         self.model = model
         self.species = species
         self.coords = coords
@@ -104,6 +104,9 @@ class Trainer:
             p.requires_grad_(True)
         self.params = params
         self.opt = torch.optim.Adam(params, lr=lr)
+        # backward(inputs=params): no gradient for the coordinates, which the force
+        # loss otherwise also gets (its second derivatives through the AEV).
+        self.inputs = params if weights_only else None
 
     def step(self):
         self.opt.zero_grad()
@@ -113,12 +116,12 @@ class Trainer:
         if self.force:
             (g,) = torch.autograd.grad(e.sum(), x, create_graph=True)
             loss = loss + ((-g - self.f_ref) ** 2).mean()
-        loss.backward()
+        loss.backward(inputs=self.inputs)
         self.opt.step()
         return loss.detach()
 
 
-def make_pair(case, members, dtype, force, molecules):
+def make_pair(case, members, dtype, force, molecules, weights_only=False):
     ref = load_model(MODEL_OF[case]).to(dtype)
     if members == 1:
         ref = ref[0]
@@ -134,8 +137,8 @@ def make_pair(case, members, dtype, force, molecules):
     f_ref = (1e-2 * torch.randn(coords.shape, generator=g, dtype=torch.float64).to(dtype)
              * (species >= 0).unsqueeze(-1))
     targets = (e_ref, f_ref)
-    return (Trainer(ref, species, coords, targets, force),
-            Trainer(fast, species, coords, targets, force))
+    return (Trainer(ref, species, coords, targets, force, weights_only=weights_only),
+            Trainer(fast, species, coords, targets, force, weights_only=weights_only))
 
 
 def timed(fn):
@@ -144,8 +147,8 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def compare(case, members, dtype, force, rounds, molecules):
-    a, b = make_pair(case, members, dtype, force, molecules)
+def compare(case, members, dtype, force, rounds, molecules, weights_only=False):
+    a, b = make_pair(case, members, dtype, force, molecules, weights_only)
     for _ in range(2):  # warm-up (caches, allocator)
         la, lb = a.step(), b.step()
     ta, tb = [], []
@@ -187,6 +190,8 @@ def main():
     parser.add_argument("--profile", metavar="CASE", choices=["ch4", "2iuz", "mixed"],
                         help="torch.profiler tables of both steps for this case instead")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--weights-only", action="store_true",
+                        help="loss.backward(inputs=parameters): no coordinate gradient (both models)")
     args = parser.parse_args()
     import os
     print(f"threads {torch.get_num_threads()}, cpu_isa {torchani_fast.cpu_isa()}, "
@@ -202,7 +207,7 @@ def main():
             for dt in args.dtypes:
                 for loss in args.loss:
                     ta, tb, rel = compare(case, members, getattr(torch, dt), loss == "force",
-                                          args.rounds, args.molecules)
+                                          args.rounds, args.molecules, args.weights_only)
                     print(f"{case:6} {members:7d} {dt:8} {loss:7} {1e3 * ta:11.1f} {1e3 * tb:8.1f} "
                           f"{ta / tb:7.2f}x {rel:13.1e}", flush=True)
     print(f"load at the end {os.getloadavg()[0]:.2f}")

@@ -31,7 +31,8 @@ from torchani_fast.testing import random_molecule, water_box  # noqa: E402
 MLPotential = mlpotential.MLPotential
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = {"ani2x-fast": "ANI2x", "ani1x-fast": "ANI1x", "ani1ccx-fast": "ANI1ccx"}
+NAMES = {"ani2x-fast": "ANI2x", "ani1x-fast": "ANI1x", "ani1ccx-fast": "ANI1ccx",
+         "ani2xr-fast": "ANI2xr", "ani2dr-fast": "ANI2dr"}
 KJ_NM = HARTREE_TO_KJ_PER_MOL * 10.0  # Hartree/Å -> kJ/mol/nm
 
 
@@ -179,6 +180,39 @@ def test_vacuum_energy_and_forces_equal_torchani_and_finite_differences(name):
     picks = [(0, 0), (5, 1), (len(numbers) - 1, 2)]
     fd = _central_difference(ctx, pos, picks)
     np.testing.assert_allclose(fd, [forces[i, k] for i, k in picks], rtol=2e-5, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["ani2xr-fast", "ani2dr-fast"])
+def test_repulsion_and_dispersion_models_vacuum_and_triclinic_box(name, monkeypatch):
+    # Their published weights cannot be downloaded here: TorchANI's architecture with
+    # seeded random weights, put where load_model keeps the models it built.
+    import warnings
+
+    import torchani_fast
+    from torchani_fast.openmm import force as force_module
+    from torchani_fast.testing import random_model
+
+    ref = random_model(NAMES[name], seed=0).to(torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing kept as TorchANI's
+        fast = torchani_fast.patch(copy.deepcopy(ref))
+    monkeypatch.setitem(force_module._MODEL_CACHE, (name, None, torch.float64, "cpu"), fast)
+    for numbers, pos, box in [_molecule(name) + (None,), _triclinic_water()]:
+        top = _topology(numbers, box, per_residue=3 if box is not None else None)
+        system = MLPotential(name).createSystem(top, dtype=torch.float64, device="cpu")
+        ctx = _context(system, pos, box)
+        energy, forces = _energy_forces(ctx)
+        e_ref, f_ref = _torchani(ref, numbers, pos, box)
+        assert energy == pytest.approx(e_ref, rel=1e-11)
+        np.testing.assert_allclose(forces, f_ref, rtol=1e-8, atol=1e-6)
+        picks = [(0, 0), (4, 2), (len(numbers) - 1, 1)]
+        np.testing.assert_allclose(_central_difference(ctx, pos, picks),
+                                   [forces[i, k] for i, k in picks], rtol=2e-5, atol=2e-2)
+    # The TorchForce export of the same model (scripted, periodic box).
+    module = torch_force_module(name, top, dtype=torch.float64)
+    energy, forces = _as_torchforce(module, pos, box)
+    assert energy == pytest.approx(e_ref, rel=1e-11)
+    np.testing.assert_allclose(forces, f_ref, rtol=1e-8, atol=1e-6)
 
 
 def test_float32_default_model_index_and_force_group():

@@ -28,7 +28,10 @@ __all__ = ["ANIComputation", "HARTREE_TO_KJ_PER_MOL", "MODELS", "atomic_numbers_
 #: openmm-ml names -> ``torchani_fast.models`` factories. openmm-ml's own
 #: ``ani2x`` and ``ani1ccx`` are not reused: entry points of the same name
 #: overwrite each other in load order.
-MODELS = {"ani2x-fast": "ANI2x", "ani1x-fast": "ANI1x", "ani1ccx-fast": "ANI1ccx"}
+# openmm-ml name -> torchani_fast.models factory. ANI-2xr adds TorchANI's xTB repulsion,
+# ANI-2dr repulsion and D3(BJ) dispersion (8 Å cutoff), both evaluated in the step.
+MODELS = {"ani2x-fast": "ANI2x", "ani1x-fast": "ANI1x", "ani1ccx-fast": "ANI1ccx",
+          "ani2xr-fast": "ANI2xr", "ani2dr-fast": "ANI2dr"}
 
 
 def _hartree_to_kj_per_mol() -> float:
@@ -144,7 +147,7 @@ class ANIComputation:
     Parameters
     ----------
     name : str
-        One of :data:`MODELS` ("ani2x-fast", "ani1x-fast", "ani1ccx-fast").
+        One of :data:`MODELS` ("ani2x-fast", "ani1x-fast", "ani1ccx-fast", "ani2xr-fast", "ani2dr-fast").
     atomic_numbers : sequence of int
         Of the force's particles, in the order OpenMM passes them.
     periodic : bool

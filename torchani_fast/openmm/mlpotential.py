@@ -1,4 +1,5 @@
-"""openmm-ml plugin: ``MLPotential("ani2x-fast")``, ``"ani1x-fast"``, ``"ani1ccx-fast"``.
+"""openmm-ml plugin: ``MLPotential("ani2x-fast")``, ``"ani1x-fast"``, ``"ani1ccx-fast"``,
+``"ani2xr-fast"`` and ``"ani2dr-fast"`` (ANI-2x with repulsion; and D3 dispersion).
 
 Registered through the ``openmmml.potentials`` entry points of torchani_fast's
 ``pyproject.toml``; openmm-ml loads them when it is imported.

@@ -10,7 +10,7 @@ import torch
 import torchani
 
 import torchani_fast
-from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, unsupported_reason
+from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, grouping, unsupported_reason
 from conftest import energy_forces, model_pair, read_molecule, reference_model
 
 F32_EPS = torch.finfo(torch.float32).eps
@@ -662,6 +662,98 @@ def test_forces_at_the_angular_cutoff_tail():
     assert float((f.double() - f64).abs().max()) <= 2 * float((f_ref.double() - f64).abs().max())
 
 
+# -- the grouping rule, written in ATen ops: the oracle of torchani_fast::group_atoms --------
+def rule_composition_groups(flat, num_species: int) -> tuple:
+    counts: list = torch.bincount(flat + 1, minlength=num_species + 1).tolist()
+    return rule_groups_from_counts(flat, counts, num_species)
+
+
+def rule_groups_from_counts(flat, counts: list, num_species: int) -> tuple:
+    """``composition_groups`` from the atom counts [padding, element 0, element 1, ...]."""
+    n_atoms = 0
+    for e in range(num_species):
+        n_atoms += counts[e + 1]
+    # Atoms ordered by element with one stable sort, padding first.
+    atoms = torch.argsort(flat, stable=True).narrow(0, counts[0], n_atoms)
+    composition = 0
+    for e in range(num_species):
+        if counts[e + 1] > 0:
+            composition |= 1 << e
+    elems: list = []
+    masks: list = []
+    sizes: list = []
+    for e in range(num_species):
+        if counts[e + 1] > 0:
+            elems.append(e)
+            masks.append(composition)
+            sizes.append(counts[e + 1])
+    return atoms, elems, masks, sizes
+
+
+def rule_groups(flat, aev, num_species: int, radial_sublen: int, split_min: int) -> tuple:
+    """The grouping rule in ATen ops (docs/design.md, the rare-element split): the
+    oracle of ``group_atoms`` (it was the CUDA path's until that went through the op)."""
+    r = radial_sublen
+    if r == 0 or split_min <= 0 or flat.shape[0] < 2 * split_min:
+        return rule_composition_groups(flat, num_species)
+    elems: list = []
+    masks: list = []
+    sizes: list = []
+    # Which elements each atom sees within the radial cutoff: its nonzero radial blocks.
+    seen = aev.narrow(1, 0, num_species * r).view(-1, num_species, r).ne(0).any(2)
+    row = torch.where(flat < num_species, flat + 1, num_species + 1)  # padding 0, unknown last
+    per_atom = torch.cat([torch.ones_like(seen[:, :1]), seen], 1).long()
+    table: list = torch.zeros(
+        (num_species + 2, num_species + 1), dtype=torch.long, device=flat.device
+    ).index_add_(0, row, per_atom).tolist()  # [element + 1] -> [atoms, atoms seeing 0, 1, ...]
+    composition = 0
+    for e in range(num_species):
+        if table[e + 1][0] > 0:
+            composition |= 1 << e
+    rare: list = []
+    split = False
+    for e in range(num_species):
+        n = table[e + 1][0]
+        bits = 0
+        hits = 0
+        if n >= 2 * split_min:
+            for s in range(num_species):
+                c = table[e + 1][1 + s]
+                if c > 0 and 4 * c <= n:
+                    bits |= 1 << s
+                    hits += c
+            if n - hits < split_min:
+                bits = 0
+        split = split or bits != 0
+        rare.append(bits)
+    if not split:
+        counts: list = []
+        for e in range(num_species + 1):  # padding (row 0), then the elements
+            counts.append(table[e][0])
+        return rule_groups_from_counts(flat, counts, num_species)
+    rare_rows: list = []
+    for e in range(num_species):
+        rare_rows.append([(rare[e] >> s) & 1 == 1 for s in range(num_species)])
+    rare_table = torch.tensor(rare_rows, dtype=torch.bool, device=flat.device)
+    # Padding atoms have zero AEVs, so they see nothing and keep key -2.
+    hit = (seen & rare_table.index_select(0, flat.clamp(0, num_species - 1))).any(1)
+    key = flat * 2 + hit.long()
+    key_counts: list = torch.bincount(key + 2, minlength=2 * num_species + 2).tolist()
+    for e in range(num_species):
+        for g in range(2):
+            n = key_counts[2 + 2 * e + g]
+            if n > 0:
+                elems.append(e)
+                masks.append(composition - (composition & rare[e]) if g == 0 else composition)
+                sizes.append(n)
+    n_atoms = 0
+    for n in sizes:
+        n_atoms += n
+    # Atoms ordered by (element, group) with one stable sort, padding (key -2) first.
+    atoms = torch.argsort(key, stable=True).narrow(0, key_counts[0], n_atoms)
+    return atoms, elems, masks, sizes
+
+
 def assert_same_groups(native, aten, aev):
     """The same groups (elements, column masks, sizes, atoms); the CPU op orders a
     group's atoms by their AEV's zero 16-column chunks, then by index."""
@@ -673,7 +765,7 @@ def assert_same_groups(native, aten, aev):
 
 
 @pytest.mark.parametrize("split_min_atoms", [32, 64])
-def test_grouping_op_matches_the_aten_grouping(split_min_atoms):
+def test_grouping_op_matches_the_rule_on_every_path(split_min_atoms):
     # torchani_fast::group_atoms (CPU) groups atoms as the ATen code that other
     # devices run: the same atoms, elements, column masks and sizes (in the same
     # order without the AEV; with it, see assert_same_groups); with rare elements (splits, small.xyz with one S, then a second
@@ -686,16 +778,23 @@ def test_grouping_op_matches_the_aten_grouping(split_min_atoms):
     species[1, (species[1] == 7).nonzero()[:2, 0]] = 17
     elem = fast.species_converter(species)
     aev = fast.potentials["nnp"].aev_computer(elem, coords).flatten(0, 1)
-    native, aten = nn._composition_groups(elem.flatten()), nn._aten_composition_groups(elem.flatten())
-    assert torch.equal(native[0], aten[0]) and native[1:] == aten[1:]
-    assert_same_groups(nn._groups(elem.flatten(), aev), nn._aten_groups(elem.flatten(), aev), aev)
-    assert len(set(nn._groups(elem.flatten(), aev)[2])) > 1  # a split happened
+    flat, S, R, split = elem.flatten(), nn.num_species, nn.radial_sublen, nn._split_min_atoms()
+    expected = rule_composition_groups(flat, S)
+    for got in (nn._composition_groups(flat), grouping.host_groups(flat, None, S, R, split)):
+        assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+    expected = rule_groups(flat, aev, S, R, split)
+    assert_same_groups(nn._groups(flat, aev), expected, aev)
+    # Another device's path (run here on CPU tensors): the (atoms, elements) reduction
+    # instead of the AEV, each group's atoms in index order, as the rule has them.
+    host = grouping.host_groups(flat, aev, S, R, split)
+    assert torch.equal(host[0], expected[0]) and host[1:] == expected[1:]
+    assert len(set(nn._groups(flat, aev)[2])) > 1  # a split happened
     # Large enough to consider a split, but none is worth it (small.xyz as shipped).
     plain_species, plain_coords = padded_batch(["small.xyz"], torch.float32)
     plain_elem = fast.species_converter(plain_species)
     plain = fast.potentials["nnp"].aev_computer(plain_elem, plain_coords).flatten(0, 1)
     native = nn._groups(plain_elem.flatten(), plain)
-    assert_same_groups(native, nn._aten_groups(plain_elem.flatten(), plain), plain)
+    assert_same_groups(native, rule_groups(plain_elem.flatten(), plain, S, R, split), plain)
     assert len(set(native[2])) == 1
     atoms, info = torch.ops.torchani_fast.group_atoms(elem.flatten().int(), nn.num_species, aev, nn.radial_sublen,
                                                       split_min_atoms)

@@ -26,7 +26,7 @@ except ImportError:  # TorchANI 2.2.4: the base of torchani_fast.legacy's fused 
             self.active_members_idxs = [0]
             self.num_species = 0
 
-from .grouping import aten_composition_groups, aten_groups, composition_groups, groups
+from .grouping import composition_groups, groups
 from .layout import (_activation_of, _aev_layout, _bitmask, _Layout, _zero_blocks_mean_no_neighbors,
                      aev_columns, charge_unsupported_reason, linears as _linears, unsupported_reason)
 from .packing import OpArgs, _NativePlan, _panel_pair, _watch_linear
@@ -451,15 +451,9 @@ class _FusedBase(AtomicContainer):
         """One group per element present, all reading every present block (grouping.py)."""
         return composition_groups(flat, self.num_species, self.radial_sublen, self._split_min_atoms())
 
-    def _aten_composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
-        return aten_composition_groups(flat, self.num_species)
-
     def _groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
         """How atoms are grouped for layer 1 (grouping.py: ``groups``)."""
         return groups(flat, aev, self.num_species, self.radial_sublen, self._split_min_atoms())
-
-    def _aten_groups(self, flat: Tensor, aev: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
-        return aten_groups(flat, aev, self.num_species, self.radial_sublen, self._split_min_atoms())
 
     def _split_min_atoms(self) -> int:
         """``split_min_atoms`` where the rare-element split is allowed (AEVs whose

@@ -8,7 +8,7 @@ same weights and take the same steps; their steps alternate (A, B, A, B...)
 and the medians are compared.
 
 Batches:
-  * ch4: 256 conformers of CH4 (CH4-5.xyz in --molecules, else random ones);
+  * ch4: 256 conformers of CH4 (CH4-5.xyz in --molecules, default tests/data, else random ones);
   * 2iuz: 32 jittered copies of the 46-atom ligand 2iuz (ANI-2x);
   * mixed: 256 random conformers of small CHNO molecules (ase.build), padded
     to the largest, as in ANI datasets.
@@ -32,7 +32,8 @@ import torchani
 import torchani_fast
 from torchani_fast.testing import random_model
 
-SHARED = Path("/work/shared/molecules")
+# The molecules the tests ship (CH4-5.xyz, 2iuz_ligand.xyz): present in every checkout.
+MOLECULES = Path(__file__).resolve().parent.parent / "tests" / "data"
 SMALL = ["CH4", "H2O", "NH3", "CH3OH", "HCN", "C2H6", "CH3CHO", "HCOOH", "CH3CN", "C2H4", "CH3CH2OH"]
 
 
@@ -186,7 +187,7 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
     parser.add_argument("--loss", nargs="+", default=["energy", "force"], choices=["energy", "force"])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--molecules", type=Path, default=SHARED)
+    parser.add_argument("--molecules", type=Path, default=MOLECULES)
     parser.add_argument("--profile", metavar="CASE", choices=["ch4", "2iuz", "mixed"],
                         help="torch.profiler tables of both steps for this case instead")
     parser.add_argument("--rows", type=int, default=25)

@@ -278,10 +278,8 @@ class _FusedBase(AtomicContainer):
         for g in range(len(group_size)):
             e = group_elem[g]
             if training:
-                present = [(group_mask[g] >> s) & 1 == 1 for s in range(self.num_species)]
-                cols = torch.tensor(self._columns(present), dtype=torch.long, device=aev.device)
-                full = cols.shape[0] == self.in_dim
-                first = [cols, first_layer_pack(ws, act, e, cols, full)]
+                cols = self._column_index(group_mask[g], aev.device)
+                first = [cols, first_layer_pack(ws, act, e, cols, cols.shape[0] == self.in_dim)]
             else:
                 first = self._cached_first(act, e, group_mask[g])
             cols = first[0]
@@ -540,57 +538,26 @@ class _FusedBase(AtomicContainer):
 
     def _pack_hidden(self, ws: tp.List[tp.List[tp.List[Tensor]]], act: tp.List[int]) -> tp.List[Tensor]:
         """Per element: bias of layer 1 (k*d1,), then W_l (k, d_in, d_out) and b_l (k, 1, d_out)
-        (zeros for a layer without bias: adding them changes no bit)."""
-        out: tp.List[Tensor] = []
-        k = len(act)
-        for e in range(self.num_species):
-            w1 = ws[act[0]][e][0]
-            width = w1.shape[0]
-            if self.layer_biases[e][0]:
-                packed = w1.new_empty([k * width])
-                for i, j in enumerate(act):
-                    packed.narrow(0, i * width, width).copy_(ws[j][e][1])
-            else:
-                packed = w1.new_zeros([k * width])
-            out.append(packed)
-            last = self.num_layers[e] - 1
-            for l in range(1, self.num_layers[e]):
-                # (charge networks: the last layer's row output_row only)
-                row = self.output_row if l == last and self.output_row >= 0 else -1
-                w = ws[act[0]][e][2 * l]
-                out_dim = 1 if row >= 0 else w.shape[0]
-                weights = w.new_empty([k, w.shape[1], out_dim])
-                biases = w.new_zeros([k, 1, out_dim])
-                for i, j in enumerate(act):
-                    wl = ws[j][e][2 * l]
-                    weights[i].copy_((wl if row < 0 else wl.narrow(0, row, 1)).t())
-                    if self.layer_biases[e][l]:
-                        bl = ws[j][e][2 * l + 1]
-                        biases[i, 0].copy_(bl if row < 0 else bl.narrow(0, row, 1))
-                out.append(weights)
-                out.append(biases)
-        return out
+        (zeros for a layer without bias: adding them changes no bit); training.py's
+        packs, made contiguous for the C++ op."""
+        packs = hidden_packs(ws, act, self.num_species, self.num_layers, self.layer_biases,
+                             self.output_row)
+        return [t.contiguous() for t in packs]
 
     def _pack_first(
         self, ws: tp.List[tp.List[tp.List[Tensor]]], act: tp.List[int], elem: int, mask: int
     ) -> tp.List[Tensor]:
         """[AEV columns of the elements in ``mask``, ``elem``'s layer-1 weights (K, k*d1)]."""
-        present = [(mask >> s) & 1 == 1 for s in range(self.num_species)]
-        w0 = ws[act[0]][elem][0]
-        cols = torch.tensor(self._columns(present), dtype=torch.long, device=w0.device)
-        full = cols.shape[0] == self.in_dim
-        width = w0.shape[0]
-        packed = w0.new_empty([cols.shape[0], len(act) * width])
-        for i, j in enumerate(act):
-            w = ws[j][elem][0] if full else ws[j][elem][0].index_select(1, cols)
-            packed.narrow(1, i * width, width).copy_(w.t())
-        return [cols, packed]
+        cols = self._column_index(mask, ws[act[0]][elem][0].device)
+        return [cols, first_layer_pack(ws, act, elem, cols, cols.shape[0] == self.in_dim).contiguous()]
 
-    def _columns(self, present: tp.List[bool]) -> tp.List[int]:
-        """AEV columns that can be nonzero when only the ``present`` elements occur."""
+    def _column_index(self, mask: int, device: torch.device) -> Tensor:
+        """AEV columns that can be nonzero when only the elements in ``mask`` occur."""
         if self.radial_sublen == 0:
-            return [c for c in range(self.in_dim)]
-        return aev_columns(present, self.radial_sublen, self.angular_sublen, self.triu)
+            return torch.arange(self.in_dim, dtype=torch.long, device=device)
+        present = [(mask >> s) & 1 == 1 for s in range(self.num_species)]
+        cols = aev_columns(present, self.radial_sublen, self.angular_sublen, self.triu)
+        return torch.tensor(cols, dtype=torch.long, device=device)
 
     def _cache(self) -> tp.Dict[int, tp.List[Tensor]]:
         if torch.jit.is_scripting():

@@ -3,12 +3,12 @@
 While a parameter requires grad the fused networks evaluate in ATen ops
 (recompute.py) on weights packed from the live parameters on every call, so
 that the weight gradients are exact and an optimizer step is seen by the next
-call. The packs have the shapes of ``_FusedBase._pack_hidden`` and
-``_pack_first`` but are built as views (one member) or one ``cat``/``stack``
-per layer (ensembles) instead of one copy per member and layer: an
-ensemble's backward then has one node per layer, not one per member, and a
-single member's packs cost no copies at all. They need not be contiguous (the
-C++ op, which does need it, never runs in training).
+call. The packs are views (one member) or one ``cat``/``stack`` per layer
+(ensembles), not one copy per member and layer: an ensemble's backward then has
+one node per layer, not one per member, and a single member's packs cost no
+copies at all. They need not be contiguous (the C++ op, which does need it,
+never runs in training); the cached packs of ``_FusedBase`` are these, made
+contiguous.
 """
 import typing as tp
 
@@ -34,7 +34,7 @@ def hidden_packs(ws: tp.List[tp.List[tp.List[Tensor]]], act: tp.List[int], num_s
                  output_row: int) -> tp.List[Tensor]:
     """Per element: layer 1's bias (k*d1,), then W_l (k, d_in, d_out) and b_l (k, 1, d_out)
     for l = 2..L (zeros for a layer without bias; the last layer's row
-    ``output_row`` only when it is >= 0), as ``_FusedBase._pack_hidden``."""
+    ``output_row`` only when it is >= 0)."""
     out: tp.List[Tensor] = []
     k = len(act)
     for e in range(num_species):

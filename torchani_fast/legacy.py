@@ -405,17 +405,17 @@ class _EnsembleFrontDoor:
         return member
 
 
-class PatchedBuiltinModel(_ModelFrontDoor, BuiltinModel):
+def _mixins(base: type) -> tp.Tuple[type, ...]:
+    """The front door in front of ``base`` (BuiltinModel, BuiltinEnsemble or a subclass)."""
+    return (_EnsembleFrontDoor if issubclass(base, BuiltinEnsemble) else _ModelFrontDoor,)
+
+
+class PatchedBuiltinModel(*_mixins(BuiltinModel), BuiltinModel):
     __doc__ = BuiltinModel.__doc__
 
 
-class PatchedBuiltinEnsemble(_EnsembleFrontDoor, BuiltinEnsemble):
+class PatchedBuiltinEnsemble(*_mixins(BuiltinEnsemble), BuiltinEnsemble):
     __doc__ = BuiltinEnsemble.__doc__
-
-
-def _mixins(base: type) -> tp.Tuple[type, ...]:
-    # (for a user's subclass of BuiltinModel or BuiltinEnsemble)
-    return (_EnsembleFrontDoor if issubclass(base, BuiltinEnsemble) else _ModelFrontDoor,)
 
 
 def _install_front_door(model: torch.nn.Module) -> None:

@@ -182,17 +182,17 @@ class _FrontDoor:
         return energies_forces(self, species, coords, cell, pbc)
 
 
-class PatchedANI(_FrontDoor, ValidatedModel, OneNeighborListANI, ANI):
+def _mixins(base: type) -> tp.Tuple[type, ...]:
+    """torchani_fast's classes in front of the TorchANI class ``base`` (ANI, ANIq or a subclass)."""
+    return (_FrontDoor, ValidatedModel, OneNeighborListANIq if issubclass(base, ANIq) else OneNeighborListANI)
+
+
+class PatchedANI(*_mixins(ANI), ANI):
     __doc__ = ANI.__doc__
 
 
-class PatchedANIq(_FrontDoor, ValidatedModel, OneNeighborListANIq, ANIq):
+class PatchedANIq(*_mixins(ANIq), ANIq):
     __doc__ = ANIq.__doc__
-
-
-def _mixins(base: type) -> tp.Tuple[type, ...]:
-    # (for a user's subclass of ANI or ANIq)
-    return (_FrontDoor, ValidatedModel, OneNeighborListANIq if issubclass(base, ANIq) else OneNeighborListANI)
 
 
 def _install_ase(model: torch.nn.Module) -> None:

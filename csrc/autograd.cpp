@@ -668,8 +668,9 @@ class PairPotentialFunction : public torch::autograd::Function<PairPotentialFunc
     ctx->saved_data["derivs"] = derivs;
     ctx->saved_data["atomic"] = atomic;
     Tr::save(ctx, p);
-    // derivs is returned only when asked for (the op's contract), never differentiable.
-    at::Tensor shown = derivatives ? derivs : derivs.new_empty({0, derivs.size(1)});
+    // derivs is returned only when asked for (the op's contract), never differentiable;
+    // a copy, so that the caller editing it cannot change what the backward reads.
+    at::Tensor shown = derivatives ? derivs.clone() : derivs.new_empty({0, derivs.size(1)});
     ctx->mark_non_differentiable({shown});
     return {energies, shown};
   }

@@ -236,6 +236,23 @@ def test_create_graph_gradient_equals_the_fast_one():
             torch.testing.assert_close(grads[1], grads[0], rtol=1e-11, atol=1e-13 * scale)
 
 
+def test_returned_derivatives_are_the_callers_own():
+    # The per-pair factors returned with derivatives=True are a copy: editing them
+    # leaves the gradient (computed from the ones the op kept) as it was.
+    fast, ref, elem, nb, ghosts = small_case(n=20, seed=4)
+    for _, quick in potentials(fast, ref):
+        grads = []
+        for edit in (False, True):
+            d = nb.distances.detach().clone().requires_grad_(True)
+            e, derivs = call_op(quick, elem, nb.indices, d, ghosts, False, derivatives=True)
+            assert derivs.shape[0] == d.shape[0] and derivs.abs().sum() > 0
+            if edit:
+                derivs.fill_(1e6)
+            (g,) = torch.autograd.grad(e.sum(), d)
+            grads.append(g)
+        assert torch.equal(grads[0], grads[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_opcheck(dtype):
     fast, ref, elem, nb, ghosts = small_case(n=9)
@@ -319,6 +336,15 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(RuntimeError, match=r"covalent_radii must be a float \[7\] tensor"):
         args = list(d3_args(d3, elem, nb.indices, nb.distances, None, False))
         args[8] = args[8][:2]
+        ops.dispersion_d3(*args)
+    with pytest.raises(RuntimeError, match=r"cutoff_order must be in \[1, 64\].*got 65"):
+        ops.repulsion_xtb(elem, nb.indices, nb.distances, None, False, rep.y_ab, rep.sqrt_alpha_ab,
+                          rep.k_rep_ab, rep.ANGSTROM_TO_BOHR, rep.cutoff, ops.PAIR_CUTOFF_SMOOTH, 65)
+    with pytest.raises(RuntimeError, match=r"must be a product grid .*not at \(1, 2, 0, 0\)"):
+        args = list(d3_args(d3, elem, nb.indices, nb.distances, None, False))
+        args[6] = args[6].clone()
+        args[6][1, 2, 0, 0] += 0.5  # coordnums_a off the grid where C6 is defined
+        assert args[5][1, 2, 0, 0] > 0
         ops.dispersion_d3(*args)
     with pytest.raises(ValueError, match="ghost_flags and species should have the same number"):
         d3.compute_from_neighbors(elem, None, nb, ghost_flags=ghosts[:, :3])

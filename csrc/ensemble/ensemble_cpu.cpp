@@ -279,19 +279,8 @@ void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, c
       return;
     }
   }
-  bool done = false;
-#ifdef TF_SIMD_AVX2
-  if constexpr (std::is_same_v<T, double>) {
-    if (dout == 1 && net.ld[l] == 1 && simd::have_avx2()) {  // (float32: in gemm_bias)
-      small_gemm::dot_rows_f64_avx2(rows, din, h, din, net.weight[l] + m * net.stride[l], bias[0],
-                                    out, 1);
-      done = true;
-    }
-  }
-#endif
-  if (!done)
-    small_gemm::gemm_bias<T>(rows, dout, din, h, din, net.weight[l] + m * net.stride[l], net.ld[l],
-                             bias, out, dout);
+  small_gemm::gemm_bias<T>(rows, dout, din, h, din, net.weight[l] + m * net.stride[l], net.ld[l],
+                           bias, out, dout);
   if (deriv != nullptr) activation_inplace(net.act, out, deriv, rows * dout);
 }
 

@@ -6,7 +6,7 @@
 //   panel_nt(G, W)        = G W^T (+ C, or * D) from W's panels
 //                                                             float32, AVX2 (1-2 rows) or AVX-512
 //   gemm_bias(A, B, bias) = A B + bias                        any dtype, BLAS; one
-//                           output column: dot products (AVX2 for float32)
+//                           output column: dot products (AVX2, float32 and float64)
 //   gemm_nt(A, B, D)      = (A B^T) * D, or C (+)= A B^T      any dtype, BLAS
 //
 // Zero chunks: panel_gemm may be given, per row, bitmasks of 16-column chunks
@@ -649,6 +649,28 @@ TF_AVX2 inline void dot_rows_avx2(int64_t m, int64_t k, const float* a, int64_t 
     c[r * ldc] = s + bias;
   }
 }
+
+// The same in float64: 16 products per step in 4 accumulators (AVX-512 would
+// gain nothing on 160 products).
+TF_AVX2 inline void dot_rows_f64_avx2(int64_t m, int64_t k, const double* a, int64_t lda,
+                                      const double* b, double bias, double* c, int64_t ldc) {
+  for (int64_t r = 0; r < m; ++r) {
+    const double* ar = a + r * lda;
+    __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                      _mm256_setzero_pd()};
+    int64_t p = 0;
+    for (; p + 16 <= k; p += 16)
+      for (int i = 0; i < 4; ++i)
+        acc[i] = _mm256_fmadd_pd(_mm256_loadu_pd(ar + p + 4 * i), _mm256_loadu_pd(b + p + 4 * i), acc[i]);
+    for (; p + 4 <= k; p += 4)
+      acc[0] = _mm256_fmadd_pd(_mm256_loadu_pd(ar + p), _mm256_loadu_pd(b + p), acc[0]);
+    const __m256d s4 = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
+    const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+    double s = _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+    for (; p < k; ++p) s += ar[p] * b[p];
+    c[r * ldc] = s + bias;
+  }
+}
 #endif
 
 // Whether panel_gemm can run here (float32, x86-64 with AVX2 and FMA).
@@ -731,9 +753,12 @@ void gemm_bias(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T
                const T* bias, T* c, int64_t ldc) {
   if (n == 1) {  // one output (the last layer): dot products
 #ifdef TF_SIMD_AVX2
-    if constexpr (std::is_same_v<T, float>) {
-      if (ldb == 1 && simd::have_avx2()) {
+    if (ldb == 1 && simd::have_avx2()) {
+      if constexpr (std::is_same_v<T, float>) {
         dot_rows_avx2(m, k, a, lda, b, bias[0], c, ldc);
+        return;
+      } else if constexpr (std::is_same_v<T, double>) {
+        dot_rows_f64_avx2(m, k, a, lda, b, bias[0], c, ldc);
         return;
       }
     }

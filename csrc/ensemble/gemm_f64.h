@@ -249,28 +249,6 @@ TF_AVX512 inline void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, con
   }
 }
 
-// c[r * ldc] = a_r . b + bias, 16 products per step in 4 accumulators (the
-// same operations with AVX-512, which gains nothing on 160 products).
-TF_AVX2 inline void dot_rows_f64_avx2(int64_t m, int64_t k, const double* a, int64_t lda,
-                                      const double* b, double bias, double* c, int64_t ldc) {
-  for (int64_t r = 0; r < m; ++r) {
-    const double* ar = a + r * lda;
-    __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
-                      _mm256_setzero_pd()};
-    int64_t p = 0;
-    for (; p + 16 <= k; p += 16)
-      for (int i = 0; i < 4; ++i)
-        acc[i] = _mm256_fmadd_pd(_mm256_loadu_pd(ar + p + 4 * i), _mm256_loadu_pd(b + p + 4 * i), acc[i]);
-    for (; p + 4 <= k; p += 4)
-      acc[0] = _mm256_fmadd_pd(_mm256_loadu_pd(ar + p), _mm256_loadu_pd(b + p), acc[0]);
-    const __m256d s4 = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
-    const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
-    double s = _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
-    for (; p < k; ++p) s += ar[p] * b[p];
-    c[r * ldc] = s + bias;
-  }
-}
-
 // CELU(0.1) of count values in place, derivative into d; the tail scalar.
 TF_AVX2 inline int64_t celu_f64_avx2(double* z, double* d, int64_t count) {
   int64_t i = 0;

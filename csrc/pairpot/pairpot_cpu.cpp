@@ -54,7 +54,8 @@ void check_pair_inputs(const char* op, const at::Tensor& elem_idxs, const at::Te
               ": an infinite cutoff needs cutoff_kind 2 (no envelope), got cutoff_kind ",
               cut.kind);
   if (cut.kind == kPairCutoffSmooth) {
-    TORCH_CHECK(cut.order >= 1, op, ": cutoff_order must be >= 1, got ", cut.order);
+    TORCH_CHECK(cut.order >= 1 && cut.order <= 64, op, ": cutoff_order must be in [1, 64] (as for "
+                "the AEV), got ", cut.order);
     TORCH_CHECK(cut.eps > 0 && cut.eps < 1, op, ": cutoff_eps must be in (0, 1), got ", cut.eps);
   }
 }
@@ -269,6 +270,17 @@ std::tuple<at::Tensor, at::Tensor> dispersion_d3_cpu(
           tab[(st * 2) * Ra * Rb + ab] = c > T(0) ? c : T(0);
           tab[(st * 2 + 1) * Ra * Rb + ab] = c > T(0) ? T(1) : T(0);
         }
+        // Only the diagonal's references are read: refuse a grid that is not a product
+        // grid where C6 is defined (what d3_unsupported_reason checks in Python).
+        for (int64_t a = 0; a < Ra; ++a)
+          for (int64_t b = 0; b < Rb; ++b) {
+            const int64_t i = st * Ra * Rb + a * Rb + b;
+            TORCH_CHECK(!(c6[i] > T(0)) || (cna[i] == ref_a[s * Ra + a] &&
+                                            cnb[i] == cnb[(t * Te + t) * Ra * Rb + b]),
+                        op, ": the reference coordination numbers must be a product grid "
+                        "(coordnums_a[s, t, a, b] = coordnums_a[s, s, a, 0], coordnums_b[s, t, a, b] = "
+                        "coordnums_b[t, t, 0, b]); not at (", s, ", ", t, ", ", a, ", ", b, ")");
+          }
         const T damp = static_cast<T>(p.a1) * r0[st] + static_cast<T>(p.a2);
         const T damp2 = damp * damp;
         damp6[st] = damp2 * damp2 * damp2;
@@ -324,7 +336,7 @@ std::tuple<at::Tensor, at::Tensor> dispersion_d3_cpu(
         for (int64_t a = 0; a < Ra; ++a) {
           const T x = cn - ref_a[s * Ra + a];
           u[a] = std::exp(-k3 * (x * x));
-          du[a] = T(-2) * k3 * x * u[a];
+          if (derivatives) du[a] = T(-2) * k3 * x * u[a];
         }
         for (int64_t b = 0; b < Rb; ++b) {
           const T x = cn - ref_b[s * Rb + b];
@@ -337,13 +349,15 @@ std::tuple<at::Tensor, at::Tensor> dispersion_d3_cpu(
           T* o = ut.data() + n * ut_len + tk * Rb;
           T* od = derivatives ? dut.data() + n * ut_len + tk * Rb : nullptr;
           for (int64_t b = 0; b < Rb; ++b) {
-            T acc = T(0), dacc = T(0);
-            for (int64_t a = 0; a < Ra; ++a) {
-              acc += u[a] * tb[a * Rb + b];
-              dacc += du[a] * tb[a * Rb + b];
-            }
+            T acc = T(0);
+            for (int64_t a = 0; a < Ra; ++a) acc += u[a] * tb[a * Rb + b];
             o[b] = acc;
-            if (od != nullptr) od[b] = dacc;
+          }
+          if (od == nullptr) continue;
+          for (int64_t b = 0; b < Rb; ++b) {
+            T dacc = T(0);
+            for (int64_t a = 0; a < Ra; ++a) dacc += du[a] * tb[a * Rb + b];
+            od[b] = dacc;
           }
         }
       }

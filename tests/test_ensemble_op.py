@@ -6,7 +6,7 @@ takes J = d(sum over members)/d(input) by autograd: nothing of nn.py is used.
 import pytest
 import torch
 
-import torchani_fast  # (also loads the op)
+import torchani_fast  # noqa: F401  (also loads the op)
 
 op = torch.ops.torchani_fast.ensemble_mlp
 
@@ -335,19 +335,20 @@ def test_group_atoms_is_a_stable_sort_by_element(int_dtype):
         torch.ops.torchani_fast.group_atoms(elem, 4, torch.zeros(5, 64), 16, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("sizes", [[70, 5, 130], [2, 1, 9]], ids=["blocks", "one-two-rows"])
-def test_zero_chunks(sizes):
+def test_zero_chunks(sizes, dtype, isa):
     # AEV rows with 16-column chunks of zeros (of the columns a group reads): the
-    # float32 panel kernels skip a chunk in a tile of rows when it is 0 in all of
+    # panel kernels (float32 and float64, each instruction set) skip a chunk in a tile of rows when it is 0 in all of
     # them. The values are those of the reference (and do not depend on the
     # flag). J is the reference's unless zero_blocks_exact: then it is 0 in the
     # chunks skipped, and still the reference's wherever the row's chunk is not 0.
     # (Only the panel kernels skip chunks: the portable path, cpu_isa "none",
     # computes them, which the flag allows.)
-    skips = torchani_fast.cpu_isa() != "none"
+    skips = isa != "none"
     members = 3
     aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(
-        torch.float32, members, [32, 16, 16], [48, 32, 64], sizes)
+        dtype, members, [32, 16, 16], [48, 32, 64], sizes)
     g = torch.Generator().manual_seed(3)
     dead = []  # per group: a chunk that is 0 in all its rows
     for atoms_g, cols in zip(atoms.split(sizes), columns):
@@ -361,7 +362,7 @@ def test_zero_chunks(sizes):
         dead.append(n_chunks - 1)
     panels = panels_of(first, packs, layers, members)
     v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
-    tol = dict(rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
     v0, j0 = op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True, False)
     v1, j1 = op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True, True)
     torch.testing.assert_close(v0, v_ref, **tol)

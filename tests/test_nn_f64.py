@@ -16,6 +16,7 @@ from conftest import ISA_LEVELS, energy_forces, model_pair, reference_model
 from test_ensemble_op import make_groups, op, panels_of, reference
 from test_nn import BATCHES, assert_energies, assert_forces, padded_batch
 from test_nn_gelu import make_groups as make_gelu_groups
+from test_threads import _with_threads
 from test_nn_gelu import reference_values as gelu_reference_values
 
 ops = torch.ops.torchani_fast
@@ -79,45 +80,6 @@ def test_avx2_and_avx512_give_the_same_bits():
     torch.testing.assert_close(none[1], out["avx512"][1], rtol=1e-13, atol=1e-14)
 
 
-@pytest.mark.parametrize("sizes", [[70, 5, 130], [2, 1, 9]], ids=["blocks", "one-two-rows"])
-def test_zero_chunks(sizes, isa):
-    # 16-column chunks of the AEV that are 0 in some rows: the forward skips
-    # them exactly (same values with and without the flag, and as the
-    # reference); J skips them only with zero_blocks_exact, and is the
-    # reference's wherever the row's chunk is not 0.
-    members = 3
-    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(
-        torch.float64, members, [32, 16, 16], [48, 32, 64], sizes)
-    g = torch.Generator().manual_seed(3)
-    dead = []
-    for atoms_g, cols in zip(atoms.split(sizes), columns):
-        n_chunks = cols.shape[0] // 16
-        zero = torch.rand(len(atoms_g), n_chunks, generator=g) < 0.4
-        zero[:, n_chunks - 1] = True
-        zero[0] = True
-        for r, a in enumerate(atoms_g.tolist()):
-            for c in zero[r].nonzero().flatten().tolist():
-                aev[a, cols[16 * c: 16 * c + 16]] = 0
-        dead.append(n_chunks - 1)
-    panels = panels_of(first, packs, layers, members)
-    v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
-    v0, j0 = op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True, False)
-    v1, j1 = op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True, True)
-    torch.testing.assert_close(v0, v_ref, **TOL)
-    assert torch.equal(v0, v1)
-    torch.testing.assert_close(j0, j_ref, **TOL)
-    off = 0
-    for atoms_g, cols, c in zip(atoms.split(sizes), columns, dead):
-        k = cols.shape[0]
-        j1_g, jr_g = j1[off: off + len(atoms_g) * k].view(-1, k), j_ref[off: off + len(atoms_g) * k].view(-1, k)
-        off += len(atoms_g) * k
-        assert (jr_g[:, 16 * c: 16 * c + 16] != 0).any()
-        if isa != "none":  # (the portable path computes them, which the flag allows)
-            assert (j1_g[:, 16 * c: 16 * c + 16] == 0).all()
-        nonzero = (aev[atoms_g][:, cols].view(len(atoms_g), -1, 16) != 0).any(2).repeat_interleave(16, 1)
-        torch.testing.assert_close(j1_g[nonzero], jr_g[nonzero], **TOL)
-
-
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_gelu_panels_match_pytorch(bias, isa):
     members = 3
@@ -163,15 +125,6 @@ def test_panels_of_another_dtype_are_refused():
         pytest.skip("panels are not read without AVX2")
     with pytest.raises(RuntimeError, match=r"panels\[0\], panels\[1\] must be of the AEV's dtype \(Double\)"):
         op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True)
-
-
-def _with_threads(n, fn):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_same_bits_for_any_number_of_threads():

@@ -9,13 +9,15 @@ this process with one thread, then by ``torchani_fast.screen`` on a LocalCluster
 of 2 single-threaded worker processes on 127.0.0.1 (models already loaded: the
 cluster's start and each worker's model load are timed separately). Printed: structures/s,
 speed-up over the local process, parallel efficiency (2 workers / (2 x 1 worker)) and
-per-task overhead ((1-worker time - local time) / batches, against a batch's compute).
+per-task overhead ((1-worker wall time / tasks) - a task's mean compute, against that compute;
+tasks are a few consecutive batches each, see torchani_fast.screen). Medians of --rounds runs.
 
     python benchmarks/benchmark_screening.py [--ch4 20000] [--conformers 2000]
 """
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -55,6 +57,15 @@ def _local(path: Path, out: Path) -> float:
     return time.perf_counter() - start
 
 
+def _load_model() -> int:
+    """Run on each worker: build the model the tasks will use (float32 on the CPU)."""
+    import importlib
+
+    screen = importlib.import_module("torchani_fast.screen")  # the module (the package's name is the function)
+    screen._worker_model("ANI2x", "cpu", "float32")
+    return screen._worker_loads()
+
+
 def _dask(client, path: Path, out: Path) -> tuple:
     """(wall seconds, [compute seconds of each batch task] from Dask's task stream)."""
     from distributed import get_task_stream
@@ -74,6 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ch4", type=int, default=20000)
     parser.add_argument("--conformers", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3, help="median of this many runs of each")
     args = parser.parse_args()
 
     from distributed import Client, LocalCluster
@@ -86,42 +98,54 @@ def main() -> None:
         warm = tmp / "warm.xyz"
         ase.io.write(warm, ase.io.read(MOLECULES / "CH4-5.xyz", index=":8"), format="extxyz")
         _local(warm, tmp / "w.json")  # loads the model in this process
-        times = {name: {"local": _local(path, tmp / "local.json")} for name, (path, _) in inputs.items()}
-        tasks: dict = {name: {} for name in inputs}
-        for workers in (1, 2):
-            t0 = time.perf_counter()
-            with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                              host="127.0.0.1", dashboard_address=None) as cluster, \
-                    Client(cluster) as client:
-                client.wait_for_workers(workers)
-                started = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                for _ in range(workers):  # every worker imports torch, loads the model
+        runs: dict = {name: {"local": [], 1: [], 2: []} for name in inputs}
+        tasks: dict = {name: [] for name in inputs}  # 1 worker: compute seconds of each task
+        for r in range(args.rounds):  # rounds: this VM's speed drifts by 20% from minute to minute
+            for name, (path, _) in inputs.items():
+                runs[name]["local"].append(_local(path, tmp / "local.json"))
+            for workers in (1, 2):
+                t0 = time.perf_counter()
+                with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                  host="127.0.0.1", dashboard_address=None) as cluster, \
+                        Client(cluster) as client:
+                    client.wait_for_workers(workers)
+                    started = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    client.run(_load_model)  # on every worker: imports torch, loads the model
                     _dask(client, warm, tmp / "w.json")
-                loaded = time.perf_counter() - t1
-                print(f"{workers} worker(s): cluster start {started:.1f} s, first run (imports, "
-                      f"model load) {loaded:.1f} s", flush=True)
-                for name, (path, n) in inputs.items():
-                    out = tmp / f"dask{workers}.json"
-                    times[name][workers], tasks[name][workers] = _dask(client, path, out)
-                    local = tmp / "check.json"
-                    _local(path, local)  # same bytes as the local command (1 thread)
-                    assert out.read_bytes() == local.read_bytes(), f"{name}: results differ"
+                    loaded = time.perf_counter() - t1
+                    print(f"round {r}, {workers} worker(s): cluster start {started:.1f} s, first run "
+                          f"(imports, model load) {loaded:.1f} s", flush=True)
+                    for name, (path, n) in inputs.items():
+                        out = tmp / f"dask{workers}.json"
+                        wall, compute = _dask(client, path, out)
+                        runs[name][workers].append(wall)
+                        if workers == 1:
+                            tasks[name].append((wall, compute))
+                        if r == 0:
+                            local = tmp / "check.json"
+                            _local(path, local)  # same bytes as the local command (1 thread)
+                            assert out.read_bytes() == local.read_bytes(), f"{name}: results differ"
+        times = {name: {k: statistics.median(v) for k, v in d.items()} for name, d in runs.items()}
         print(f"\n{'workload':26} {'local/s':>8} {'1w/s':>8} {'2w/s':>8} {'str/s local':>11} "
-              f"{'1w':>7} {'2w':>7} {'2w/1w':>6} {'eff':>5} {'2w/local':>8} {'task/ms':>8} "
-              f"{'ovh/ms':>7} {'ovh%':>5}")
+              f"{'1w':>7} {'2w':>7} {'2w/1w':>6} {'eff':>5} {'2w/local':>8} {'tasks':>5} "
+              f"{'task/ms':>8} {'ovh/ms':>7} {'ovh%':>5}")
         for name, (path, n) in inputs.items():
             t = times[name]
-            compute = tasks[name][1]  # 1 worker: wall = sum of task computes + overheads
+            # 1 worker, the median round: wall = the tasks' compute + what is not overlapped
+            wall, compute = sorted(tasks[name])[len(tasks[name]) // 2]
             per_task = sum(compute) / len(compute)
-            overhead = t[1] / len(compute) - per_task
+            overhead = wall / len(compute) - per_task
             print(f"{name:26} {t['local']:8.2f} {t[1]:8.2f} {t[2]:8.2f} {n / t['local']:11.0f} "
                   f"{n / t[1]:7.0f} {n / t[2]:7.0f} {t[1] / t[2]:6.2f} {t[1] / t[2] / 2:5.2f} "
-                  f"{t['local'] / t[2]:8.2f} {per_task * 1e3:8.1f} {overhead * 1e3:7.1f} "
-                  f"{100 * overhead / per_task:5.1f}")
+                  f"{t['local'] / t[2]:8.2f} {len(compute):5d} {per_task * 1e3:8.1f} "
+                  f"{overhead * 1e3:7.1f} {100 * overhead / per_task:5.1f}")
+        print("2 workers / 1 worker per round:", {name: [round(a / b, 2) for a, b in zip(d[1], d[2])]
+                                                  for name, d in runs.items()})
         print(json.dumps({k: {str(w): round(v, 3) for w, v in d.items()} for k, d in times.items()}))
-        print("task/ms: mean compute of a batch task on the worker (Dask's task stream); ovh/ms: "
-              "1-worker wall time per task beyond it (scan, scheduling, transfer, writing)")
+        print("tasks: Dask tasks (each a few consecutive batches); task/ms: their mean compute on the "
+              "worker (Dask's task stream); ovh/ms: 1-worker wall time per task beyond it (scan, "
+              "scheduling, transfer, writing); medians of the rounds")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import ase.io
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 distributed = pytest.importorskip("distributed")
 
@@ -169,8 +171,9 @@ def _cli_process(*argv):
 
 
 def _records(partial: Path) -> list:
-    lines = partial.read_bytes().split(b"\n")[1:]
-    return [json.loads(line)["i"] for line in lines if line.strip() and line.endswith(b"}")]
+    """The structures of the complete task lines (a JSON list each) after the header."""
+    lines = partial.read_bytes().split(b"\n")[1:-1]  # the last: empty, or being written
+    return [rec["i"] for line in lines for rec in json.loads(line)]
 
 
 @pytest.fixture(scope="module")
@@ -280,3 +283,48 @@ def test_scheduler_going_away_leaves_a_resumable_partial(many, tmp_path):
         for p in procs:
             p.kill()
             p.wait(timeout=30)
+
+
+@pytest.mark.time_limit(240)
+def test_joined_batches_give_the_same_results(cluster, mixed):
+    """Batches travel joined into tasks (fewer round trips); the results do not depend on it."""
+    runs = {}
+    for task_atoms in (0, 30, screen_module._TASK_ATOMS):
+        tasks = []
+        runs[task_atoms] = screen_fn([mixed], client=cluster, dtype="float64", device="cpu",
+                                     forces=True, batch_size=4, task_atoms=task_atoms,
+                                     callback=lambda recs: tasks.append(len(recs)))
+        runs[task_atoms, "tasks"] = tasks
+    assert runs[0] == runs[30] == runs[screen_module._TASK_ATOMS]
+    assert len(runs[0, "tasks"]) == 12  # one batch of up to 4 per task: 46 structures
+    assert 1 < len(runs[screen_module._TASK_ATOMS, "tasks"]) < 12
+    assert len(runs[screen_module._TASK_ATOMS, "tasks"]) < len(runs[30, "tasks"]) < 12
+    with pytest.raises(screen_module.ScreenError, match="task_atoms must be an integer >= 0, got -1"):
+        screen_fn([mixed], client=cluster, task_atoms=-1)
+
+
+def _batches(sizes):
+    items = iter(range(10 ** 6))
+    return [[{"natoms": n, "i": next(items)} for n in batch] for batch in sizes]
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 8])
+def test_join_batches_largest_first_single_batches_last(nthreads):
+    batches = _batches([[5] * 64] * 125 + [[46] * 64] * 3)
+    tasks = screen_module._join_batches(batches, 8192, nthreads)
+    assert [b for task in tasks for b in task] == batches  # every batch once, in order
+    atoms = [sum(i["natoms"] for b in task for i in b) for task in tasks]
+    assert max(atoms) <= 8192 + 46 * 64  # the cap, overshot by at most one batch
+    assert len(tasks[-1]) == 1 and len(tasks[-2]) == 1  # the last tasks: single batches
+    assert len(tasks) < 40  # instead of 128
+    assert screen_module._join_batches(batches, 0, nthreads) == [[b] for b in batches]
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                    lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner), max_leaves=20),
+       st.integers(0, 4), st.integers(0, 3))
+@settings(max_examples=300, deadline=None)
+def test_dumps_is_json_dumps(value, indent, level):
+    """The energy file's encoder writes what json.dumps(indent=...) writes, NaN and all."""
+    expected = json.dumps(value, indent=indent).replace("\n", "\n" + " " * (indent * level))
+    assert screen_module._dumps(value, indent, level) == expected

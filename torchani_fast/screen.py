@@ -17,6 +17,7 @@ interrupted run leaves just the ``.partial`` file, which ``resume=True`` continu
 import functools
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -30,8 +31,9 @@ from .structures import progress as _progress_bar
 
 __all__ = ["screen", "ScreenError"]
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: a line per task
 _DESCRIBE_CHUNK = 1000  # frames described per task
+_TASK_ATOMS = 8192  # atoms per energy task, at most (consecutive batches joined)
 _WORKER_MODELS: dict = {}  # (model, device, dtype) -> patched model, one per worker process
 _WORKER_LOADS = [0]  # how many models this process built (the tests read it)
 
@@ -112,29 +114,44 @@ def _xyz_frames(path: Path) -> tp.List[tp.Tuple[int, int, tp.Any]]:
             frames.append((start, natoms, _header_key(comment)))
 
 
-def _read_frame(item: dict, files: tp.Optional[dict] = None):
-    """The ``ase.Atoms`` of one work item (parsed from its bytes, or carried along).
-
-    ``files`` keeps the files of a task open between its items.
-    """
-    import ase.io
-
-    if "atoms" in item:
-        return item["atoms"]
-    if files is None:
-        files = {}
-    f = files.get(item["file"])
-    if f is None:
-        f = files[item["file"]] = open(item["file"], "rb")
-    f.seek(item["offset"])
-    text = b"".join(f.readline() for _ in range(item["natoms"] + 2)).decode()
-    return ase.io.read(io.StringIO(text), format="extxyz")
+def _read_frame(item: dict):
+    """The ``ase.Atoms`` of one work item (parsed from its bytes, or carried along)."""
+    atoms = _read_frames([item])[0]
+    if isinstance(atoms, Exception):
+        raise atoms
+    return atoms
 
 
 def _read_frames(items: list) -> list:
+    """The ``ase.Atoms`` of ``items``, or an exception in place of a frame that
+    cannot be parsed. The frames' texts are joined and parsed by one
+    ``ase.io.read`` (a third of the cost of one call per frame; the same
+    structures), frame by frame only when that fails."""
+    import ase.io
+
     files: dict = {}
     try:
-        return [_read_frame(item, files) for item in items]
+        lazy = [item for item in items if "atoms" not in item]
+        texts = []
+        for item in lazy:
+            f = files.get(item["file"])
+            if f is None:
+                f = files[item["file"]] = open(item["file"], "rb")
+            f.seek(item["offset"])
+            texts.append(b"".join(f.readline() for _ in range(item["natoms"] + 2)))
+        try:
+            parsed = ase.io.read(io.StringIO(b"".join(texts).decode()), index=":", format="extxyz")
+            if len(parsed) != len(lazy):
+                raise ValueError("frame count")
+        except Exception:  # find the frames that fail, one by one
+            parsed = []
+            for text in texts:
+                try:
+                    parsed.append(ase.io.read(io.StringIO(text.decode()), format="extxyz"))
+                except Exception as exc:
+                    parsed.append(exc)
+        it = iter(parsed)
+        return [item["atoms"] if "atoms" in item else next(it) for item in items]
     finally:
         for f in files.values():
             f.close()
@@ -199,17 +216,12 @@ def _describe(items: tp.List[dict], model: str) -> list:
     """Worker task: ``[(natoms, cell key, problem or None)]`` of each item (the
     periodic frames, whose cell the comment-line scan leaves to a full parse)."""
     out = []
-    files: dict = {}
-    for item in items:
-        try:
-            atoms = _read_frame(item, files)
-        except Exception as exc:
+    for item, atoms in zip(items, _read_frames(items)):
+        if isinstance(atoms, Exception):
             out.append((item["natoms"], None, f"{item['file']}, frame {item['frame']}: "
-                                              f"cannot be parsed ({type(exc).__name__}: {exc})"))
+                                              f"cannot be parsed ({type(atoms).__name__}: {atoms})"))
             continue
         out.append((len(atoms), batch_key(atoms), _problem(atoms, item, model)))
-    for f in files.values():
-        f.close()
     return out
 
 
@@ -249,10 +261,19 @@ def _energy_records(model, spec: dict, items: list, atoms_list: list) -> list:
     return [dict(i=item["i"], **rec) for item, rec in zip(items, batch_results(atoms_list, e, f, h))]
 
 
-def _energy_task(spec: dict, items: list) -> list:
-    """Worker task: one record per item of a batch; a failing batch is retried
-    structure by structure so one bad structure costs only its own result."""
+def _energy_task(spec: dict, batches: list) -> list:
+    """Worker task: one record per item of each batch (a task holds a few
+    consecutive batches, so that its scheduling costs little beside its work)."""
     model = _worker_model(spec["model"], spec["device"], spec["dtype"])
+    records: list = []
+    for items in batches:
+        records.extend(_energy_batch(model, spec, items))
+    return records
+
+
+def _energy_batch(model, spec: dict, items: list) -> list:
+    """The records of one batch; a failing batch is retried structure by
+    structure so one bad structure costs only its own result."""
     records, good, atoms_list = _checked(spec, items)
     items = good
     if not items:
@@ -274,27 +295,20 @@ def _checked(spec: dict, items: list) -> tuple:
     """``(error records, good items, their atoms)``: a frame that cannot be parsed or
     evaluated (element, coordinates) is reported and left out of the batch."""
     records, good, atoms_list = [], [], []
-    files: dict = {}
-    try:
-        for item in items:
-            try:
-                atoms = _read_frame(item, files)
-            except Exception as exc:
-                records.append(_error_record(item, f"cannot be parsed ({type(exc).__name__}: {exc})"))
-                continue
-            problem = _problem(atoms, item, spec["model"])
-            if problem is not None:
-                records.append(_error_record(item, problem))
-                continue
-            good.append(item)
-            atoms_list.append(atoms)
-    finally:
-        for f in files.values():
-            f.close()
+    for item, atoms in zip(items, _read_frames(items)):
+        if isinstance(atoms, Exception):
+            records.append(_error_record(item, f"cannot be parsed ({type(atoms).__name__}: {atoms})"))
+            continue
+        problem = _problem(atoms, item, spec["model"])
+        if problem is not None:
+            records.append(_error_record(item, problem))
+            continue
+        good.append(item)
+        atoms_list.append(atoms)
     return records, good, atoms_list
 
 
-def _optimize_task(spec: dict, items: list) -> list:
+def _optimize_task(spec: dict, batches: list) -> list:
     """Worker task: relax each item as the local ``optimize`` command does."""
     import ase.io
     import numpy as np
@@ -303,7 +317,7 @@ def _optimize_task(spec: dict, items: list) -> list:
 
     model = _worker_model(spec["model"], spec["device"], spec["dtype"])
     calc = Calculator(model)
-    records, items, atoms_list = _checked(spec, items)
+    records, items, atoms_list = _checked(spec, [item for items in batches for item in items])
     for item, atoms in zip(items, atoms_list):
         try:
             atoms = atoms.copy()
@@ -336,17 +350,39 @@ def _error_record(item: dict, message: str) -> dict:
     return {"i": item["i"], "error": message}
 
 
+def _join_batches(batches: list, task_atoms: int, nthreads: int) -> tp.List[list]:
+    """Consecutive batches joined into Dask tasks, largest first (guided
+    self-scheduling): each task takes about a ``2 * nthreads``-th of the atoms
+    still to hand out, at most ``task_atoms``, so there are few tasks (each costs
+    the scheduler, the client and a worker several milliseconds over loopback)
+    while the last ones are single batches that keep every worker busy to the
+    end. Results do not depend on it: the batches are the same."""
+    remaining = sum(item["natoms"] for items in batches for item in items)
+    tasks, task, atoms = [], [], 0
+    for items in batches:
+        task.append(items)
+        atoms += sum(item["natoms"] for item in items)
+        if atoms >= min(task_atoms, remaining / (2 * nthreads)):
+            tasks.append(task)
+            remaining -= atoms
+            task, atoms = [], 0
+    if task:
+        tasks.append(task)
+    return tasks
+
+
 # ---------------------------------------------------------------- partial file
 class _Partial:
-    """``OUTPUT.partial``: a header line, then one JSON record per finished structure.
+    """``OUTPUT.partial``: a header line, then one line per finished task: the
+    JSON list of its structures' records.
 
-    Records of a batch are written and flushed together; a line cut short by an
+    A task's line is written and flushed at once; a line cut short by an
     interruption is dropped on resume.
     """
 
     def __init__(self, output: Path, header: dict, resume: bool):
         self.path = output.with_name(output.name + ".partial")
-        self.done: tp.Dict[int, int] = {}  # structure index -> byte offset of its record
+        self.done: tp.Dict[int, tp.Tuple[int, int]] = {}  # structure -> (its line's offset, place)
         if self.path.exists() and not resume:
             raise ScreenError(f"{self.path} exists (an interrupted run): pass --resume to "
                               "continue it, or delete it to start over")
@@ -375,33 +411,39 @@ class _Partial:
                 if not line.endswith(b"\n"):
                     break  # cut short by the interruption
                 try:
-                    self.done.setdefault(int(json.loads(line)["i"]), pos)
+                    indices = [int(rec["i"]) for rec in json.loads(line)]
                 except (ValueError, KeyError, TypeError):
                     break
+                for k, i in enumerate(indices):
+                    self.done.setdefault(i, (pos, k))
                 pos += len(line)
                 end = pos
         with open(self.path, "r+b") as f:
             f.truncate(end)
 
     def write(self, records: list) -> None:
+        new = [rec for rec in records if rec["i"] not in self.done]  # a recomputed batch: dropped
+        if not new:
+            return
         pos = self.file.tell()
-        chunk = bytearray()
-        for rec in records:
-            if rec["i"] in self.done:
-                continue  # already written (a batch recomputed after a lost result)
-            line = (json.dumps(rec) + "\n").encode()
-            self.done[rec["i"]] = pos + len(chunk)
-            chunk += line
-        self.file.write(chunk)
+        for k, rec in enumerate(new):
+            self.done[rec["i"]] = (pos, k)
+        self.file.write((json.dumps(new) + "\n").encode())
         self.file.flush()
 
     def records(self) -> tp.Callable[[int], dict]:
-        """Record ``i``, read back from the partial file."""
+        """Record ``i``, read back from the partial file (the lines of the last
+        few tasks kept parsed: the final file asks for them in input order)."""
         reader = open(self.path, "rb")
 
-        def get(i: int) -> dict:
-            reader.seek(self.done[i])
+        @functools.lru_cache(maxsize=256)
+        def line(pos: int) -> list:
+            reader.seek(pos)
             return json.loads(reader.readline())
+
+        def get(i: int) -> dict:
+            pos, k = self.done[i]
+            return line(pos)[k]
 
         get.close = reader.close  # type: ignore[attr-defined]
         return get
@@ -508,6 +550,39 @@ def _execute(client, fn, spec: dict, tasks: list, sink, bar, callback) -> None:
         refill()
 
 
+_ENCODE_STR = json.encoder.encode_basestring_ascii
+
+
+def _dumps(value, indent: int, level: int = 0) -> str:
+    """``json.dumps(value, indent=indent)`` with every line after the first
+    indented by ``level`` more steps: the same text, several times faster for
+    the numbers, lists and small dicts of an energy file (other values go to
+    ``json.dumps``)."""
+    kind = type(value)
+    if kind is float:
+        return float.__repr__(value) if math.isfinite(value) else json.dumps(value)
+    if value is None or kind is bool:
+        return "null" if value is None else ("true" if value else "false")
+    if kind is int:
+        return int.__repr__(value)
+    if kind is str:
+        return _ENCODE_STR(value)
+    if kind is list:
+        if not value:
+            return "[]"
+        inner = "\n" + " " * (indent * (level + 1))
+        return ("[" + inner + ("," + inner).join([_dumps(v, indent, level + 1) for v in value])
+                + "\n" + " " * (indent * level) + "]")
+    if kind is dict and all(type(k) is str for k in value):
+        if not value:
+            return "{}"
+        inner = "\n" + " " * (indent * (level + 1))
+        return ("{" + inner + ("," + inner).join([_ENCODE_STR(k) + ": " + _dumps(v, indent, level + 1)
+                                                  for k, v in value.items()])
+                + "\n" + " " * (indent * level) + "}")
+    return json.dumps(value, indent=indent).replace("\n", "\n" + " " * (indent * level))
+
+
 def _dump_columns(out, columns: list, indent: tp.Optional[int]) -> None:
     """Write ``{key: [values...], ...}`` as ``json.dumps(..., indent=indent)`` would,
     one value at a time (the values come from generators, never all in memory)."""
@@ -526,7 +601,7 @@ def _dump_columns(out, columns: list, indent: tp.Optional[int]) -> None:
         out.write((",\n" if c else "") + pad + json.dumps(key) + ": [")
         empty = True
         for k, value in enumerate(values):
-            text = json.dumps(value, indent=indent).replace("\n", "\n" + pad2)
+            text = _dumps(value, indent, 2)
             out.write(("," if k else "") + "\n" + pad2 + text)
             empty = False
         out.write("]" if empty else "\n" + pad + "]")
@@ -591,7 +666,7 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
            output: tp.Union[str, Path, None] = None, indent: tp.Optional[int] = 4,
            resume: bool = False, progress: bool = False, return_results: bool = True,
            callback: tp.Optional[tp.Callable[[list], None]] = None,
-           timeout: tp.Optional[float] = None) -> tp.Optional[tp.List[dict]]:
+           timeout: tp.Optional[float] = None, task_atoms: int = _TASK_ATOMS) -> tp.Optional[tp.List[dict]]:
     """Energies or relaxed geometries of every structure of ``files`` on a Dask cluster.
 
     Parameters
@@ -622,6 +697,10 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
     timeout : float, optional
         Seconds to wait for the scheduler when connecting (and reconnecting);
         default dask's ``distributed.comm.timeouts.connect``.
+    task_atoms : int
+        Energy batches are sent to the workers joined into tasks of up to about
+        this many atoms, smaller towards the end of the run so that the workers
+        finish together; 0 sends one batch per task. Results do not depend on it.
 
     Returns
     -------
@@ -644,6 +723,8 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
         raise ScreenError(f"unknown model {model!r}; choose one of {', '.join(MODEL_NAMES.values())}")
     if batch_size < 1:
         raise ScreenError(f"batch_size must be at least 1, got {batch_size!r}")
+    if not isinstance(task_atoms, int) or task_atoms < 0:
+        raise ScreenError(f"task_atoms must be an integer >= 0, got {task_atoms!r}")
     if resume and output is None:
         raise ScreenError("resume needs an output file (-o): the partial results live next to it")
     dtype = dtype or ("float32" if command == "energy" else "float64")
@@ -683,7 +764,11 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
         else:
             good = [i for i, m in enumerate(meta) if m[2] is None]
             fn, batches = _optimize_task, [good[s:s + 4] for s in range(0, len(good), 4)]
-        tasks = [[items[i] for i in b] for b in batches if any(i not in sink.done for i in b)]
+        batches = [[items[i] for i in b] for b in batches if any(i not in sink.done for i in b)]
+        if command == "energy" and not hessians:
+            tasks = _join_batches(batches, task_atoms, sum(client.nthreads().values()) or 1)
+        else:
+            tasks = [[b] for b in batches]
         bar = _progress_bar(total=n, initial=len(sink.done), desc=command, unit="structure",
                             disable=not progress)
         try:

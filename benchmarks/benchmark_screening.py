@@ -88,7 +88,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="median of this many runs of each")
     args = parser.parse_args()
 
-    from distributed import Client, LocalCluster
+    import importlib
+
+    from distributed import Client
+
+    local_cluster = importlib.import_module("torchani_fast.screen").local_cluster  # as --workers N
 
     import ase.io
 
@@ -105,9 +109,7 @@ def main() -> None:
                 runs[name]["local"].append(_local(path, tmp / "local.json"))
             for workers in (1, 2):
                 t0 = time.perf_counter()
-                with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                  host="127.0.0.1", dashboard_address=None) as cluster, \
-                        Client(cluster) as client:
+                with local_cluster(workers) as cluster, Client(cluster) as client:
                     client.wait_for_workers(workers)
                     started = time.perf_counter() - t0
                     t1 = time.perf_counter()

@@ -328,3 +328,16 @@ def test_dumps_is_json_dumps(value, indent, level):
     """The energy file's encoder writes what json.dumps(indent=...) writes, NaN and all."""
     expected = json.dumps(value, indent=indent).replace("\n", "\n" + " " * (indent * level))
     assert screen_module._dumps(value, indent, level) == expected
+
+
+@pytest.mark.time_limit(120)
+def test_local_cluster_workers_run_without_the_profiler():
+    """--workers N: one-thread workers without Dask's 10 ms stack sampler."""
+    from distributed import Client
+
+    with screen_module.local_cluster(1) as cluster, Client(cluster) as client:
+        import dask
+
+        (enabled,) = client.run(lambda: dask.config.get("distributed.worker.profile.enabled")).values()
+        (threads,) = client.nthreads().values()
+    assert enabled is False and threads == 1

@@ -341,3 +341,20 @@ def test_local_cluster_workers_run_without_the_profiler():
         (enabled,) = client.run(lambda: dask.config.get("distributed.worker.profile.enabled")).values()
         (threads,) = client.nthreads().values()
     assert enabled is False and threads == 1
+
+
+@pytest.mark.time_limit(240)
+def test_files_of_other_formats_travel_with_their_tasks(cluster, mixed, tmp_path):
+    """A trajectory file (not extended XYZ: read on the client, shipped) beside a lazy XYZ."""
+    import ase.io.trajectory
+
+    traj = tmp_path / "frames.traj"
+    with ase.io.trajectory.Trajectory(str(traj), "w") as writer:
+        for atoms in ase.io.read(DATA / "screen_ch4.xyz", index="40:46") + [ase.build.molecule("C6H6")]:
+            writer.write(atoms)
+    expected = _local(tmp_path, "energy", traj, mixed, "-t", "float64", "-f", "-b", "3")
+    out = tmp_path / "dask.json"
+    results = screen_fn([traj, mixed], client=cluster, dtype="float64", device="cpu", forces=True,
+                        batch_size=3, output=out)
+    assert out.read_bytes() == expected
+    assert [r["file"] for r in results[:7]] == [str(traj)] * 7 and results[6]["natoms"] == 12

@@ -266,8 +266,8 @@ def _energy_task(spec: dict, batches: list) -> list:
     consecutive batches, so that its scheduling costs little beside its work)."""
     model = _worker_model(spec["model"], spec["device"], spec["dtype"])
     records: list = []
-    for items in batches:
-        records.extend(_energy_batch(model, spec, items))
+    for packed in batches:
+        records.extend(_energy_batch(model, spec, _unpack(packed, spec["files"])))
     return records
 
 
@@ -317,7 +317,8 @@ def _optimize_task(spec: dict, batches: list) -> list:
 
     model = _worker_model(spec["model"], spec["device"], spec["dtype"])
     calc = Calculator(model)
-    records, items, atoms_list = _checked(spec, [item for items in batches for item in items])
+    records, items, atoms_list = _checked(spec, [item for packed in batches
+                                                 for item in _unpack(packed, spec["files"])])
     for item, atoms in zip(items, atoms_list):
         try:
             atoms = atoms.copy()
@@ -348,6 +349,33 @@ def _error_record(item: dict, message: str) -> dict:
     if not message.startswith(item["file"]):
         message = f"{item['file']}, frame {item['frame']}: {message}"
     return {"i": item["i"], "error": message}
+
+
+def _pack(items: list, file_ids: dict) -> tuple:
+    """A batch's items as a task carries them: an int64 array of (index, file,
+    frame, byte offset, atoms) rows, and the structures of items read on the
+    client (None if there are none). Pickling 20 000 item dicts cost the client
+    0.3 s per run."""
+    import numpy as np
+
+    table = np.array([(item["i"], file_ids[item["file"]], item["frame"], item.get("offset", -1),
+                       item["natoms"]) for item in items], dtype=np.int64).reshape(-1, 5)
+    shipped = [item.get("atoms") for item in items]
+    return table, (shipped if any(a is not None for a in shipped) else None)
+
+
+def _unpack(packed: tuple, files: tp.Sequence[str]) -> list:
+    """The work items of :func:`_pack` (the worker's side)."""
+    table, shipped = packed
+    items = []
+    for k, (i, f, frame, offset, natoms) in enumerate(table.tolist()):
+        item = {"i": i, "file": files[f], "frame": frame, "natoms": natoms}
+        if shipped is None or shipped[k] is None:
+            item["offset"] = offset
+        else:
+            item["atoms"] = shipped[k]
+        items.append(item)
+    return items
 
 
 def _join_batches(batches: list, task_atoms: int, nthreads: int) -> tp.List[list]:
@@ -781,6 +809,8 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
             tasks = _join_batches(batches, task_atoms, sum(client.nthreads().values()) or 1)
         else:
             tasks = [[b] for b in batches]
+        file_ids = {f: k for k, f in reversed(list(enumerate(spec["files"])))}
+        tasks = [[_pack(items, file_ids) for items in task] for task in tasks]
         bar = _progress_bar(total=n, initial=len(sink.done), desc=command, unit="structure",
                             disable=not progress)
         try:

@@ -332,15 +332,17 @@ def test_dumps_is_json_dumps(value, indent, level):
 
 @pytest.mark.time_limit(120)
 def test_local_cluster_workers_run_without_the_profiler():
-    """--workers N: one-thread workers without Dask's 10 ms stack sampler."""
+    """--workers N: one-thread workers without Dask's 10 ms stack sampler, slower ticks."""
     from distributed import Client
 
     with screen_module.local_cluster(1) as cluster, Client(cluster) as client:
         import dask
 
-        (enabled,) = client.run(lambda: dask.config.get("distributed.worker.profile.enabled")).values()
+        (config,) = client.run(lambda: {k: dask.config.get(k)
+                                        for k in screen_module._LOCAL_CLUSTER_CONFIG}).values()
         (threads,) = client.nthreads().values()
-    assert enabled is False and threads == 1
+    assert config == screen_module._LOCAL_CLUSTER_CONFIG and threads == 1
+    assert config["distributed.worker.profile.enabled"] is False
 
 
 @pytest.mark.time_limit(240)

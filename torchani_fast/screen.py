@@ -429,6 +429,10 @@ class _Partial:
                 old = json.loads(first)["torchani_fast_screen"]
             except (ValueError, KeyError, TypeError):
                 raise ScreenError(f"{self.path}: not a torchani-fast partial file") from None
+            if isinstance(old, dict) and "version" in old and old["version"] != header.get("version"):
+                raise ScreenError(f"{self.path} was written by another torchani_fast (partial "
+                                  f"file format {old.get('version')!r}, this one writes "
+                                  f"{header.get('version')!r}); delete it and rerun without --resume")
             if old != header:
                 diff = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
                 raise ScreenError(f"{self.path} was written for other inputs or options "

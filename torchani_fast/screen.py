@@ -125,8 +125,8 @@ def _read_frame(item: dict):
 def _read_frames(items: list) -> list:
     """The ``ase.Atoms`` of ``items``, or an exception in place of a frame that
     cannot be parsed. The frames' texts are joined and parsed by one
-    ``ase.io.read`` (a third of the cost of one call per frame; the same
-    structures), frame by frame only when that fails."""
+    ``ase.io.read`` (65 instead of 107 us a CH4 frame with one call per frame;
+    the same structures), frame by frame only when that fails."""
     import ase.io
 
     files: dict = {}
@@ -212,9 +212,12 @@ def _problem(atoms, item: dict, model: str) -> tp.Optional[str]:
     return None
 
 
-def _describe(items: tp.List[dict], model: str) -> list:
-    """Worker task: ``[(natoms, cell key, problem or None)]`` of each item (the
-    periodic frames, whose cell the comment-line scan leaves to a full parse)."""
+def _describe(spec: dict, packed: tuple) -> list:
+    """Worker task: ``[(natoms, cell key, problem or None)]`` of each item of
+    ``packed`` (:func:`_pack`; the periodic frames, whose cell the comment-line
+    scan leaves to a full parse)."""
+    model = spec["model"]
+    items = _unpack(packed, spec["files"])
     out = []
     for item, atoms in zip(items, _read_frames(items)):
         if isinstance(atoms, Exception):
@@ -385,11 +388,12 @@ def _join_batches(batches: list, task_atoms: int, nthreads: int) -> tp.List[list
     the scheduler, the client and a worker several milliseconds over loopback)
     while the last ones are single batches that keep every worker busy to the
     end. Results do not depend on it: the batches are the same."""
-    remaining = sum(item["natoms"] for items in batches for item in items)
+    sizes = [sum(item["natoms"] for item in items) for items in batches]
+    remaining = sum(sizes)
     tasks, task, atoms = [], [], 0
-    for items in batches:
+    for items, size in zip(batches, sizes):
         task.append(items)
-        atoms += sum(item["natoms"] for item in items)
+        atoms += size
         if atoms >= min(task_atoms, remaining / (2 * nthreads)):
             tasks.append(task)
             remaining -= atoms
@@ -611,9 +615,9 @@ _ENCODE_STR = json.encoder.encode_basestring_ascii
 
 def _dumps(value, indent: int, level: int = 0) -> str:
     """``json.dumps(value, indent=indent)`` with every line after the first
-    indented by ``level`` more steps: the same text, several times faster for
-    the numbers, lists and small dicts of an energy file (other values go to
-    ``json.dumps``)."""
+    indented by ``level`` more steps: the same text, without json's pure-Python
+    indenting encoder for the numbers, lists and small dicts of an energy file
+    (other values go to ``json.dumps``)."""
     kind = type(value)
     if kind is float:
         return float.__repr__(value) if math.isfinite(value) else json.dumps(value)
@@ -806,10 +810,13 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
                   file=sys.stderr)
         # Sizes and cells (to batch as the local command does): from the scan, or
         # for periodic frames from the workers.
+        # Tasks carry their items as _pack's tables; file k is spec["files"][k].
+        file_ids = {f: k for k, f in enumerate(spec["files"])}
         meta = [(item["natoms"], item["key"], None) for item in items]
         todo = [item for item in items if item["key"] is None]
         chunks = [todo[s:s + _DESCRIBE_CHUNK] for s in range(0, len(todo), _DESCRIBE_CHUNK)]
-        parts = client.gather([client.submit(_describe, c, model, pure=False) for c in chunks])
+        parts = client.gather([client.submit(_describe, spec, _pack(c, file_ids), pure=False)
+                               for c in chunks])
         for chunk, part in zip(chunks, parts):
             for item, m in zip(chunk, part):
                 meta[item["i"]] = m
@@ -825,8 +832,7 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
             tasks = _join_batches(batches, task_atoms, sum(client.nthreads().values()) or 1)
         else:
             tasks = [[b] for b in batches]
-        file_ids = {f: k for k, f in reversed(list(enumerate(spec["files"])))}
-        tasks = [[_pack(items, file_ids) for items in task] for task in tasks]
+        tasks = [[_pack(batch, file_ids) for batch in task] for task in tasks]
         bar = _progress_bar(total=n, initial=len(sink.done), desc=command, unit="structure",
                             disable=not progress)
         try:

@@ -128,6 +128,31 @@ def test_api_returns_results_in_input_order(cluster, mixed):
     assert all(np.array(r["forces"]).shape == (len(a), 3) for r, a in zip(results, frames))
 
 
+@pytest.mark.time_limit(120)
+def test_client_that_is_not_the_default_one(cluster, mixed):
+    """screen(client=...) with a newer client around (Dask's default). The given
+    client's futures used to be tracked on the default client's event loop, whose
+    callbacks then ran late or never (a benchmark waited forever): every future is
+    now tracked on its own client's loop."""
+    from distributed import Client, as_completed, default_client
+
+    loops = []
+    update = as_completed.update
+
+    def checked_update(self, futures):
+        futures = list(futures)
+        loops.extend((self.loop, f.client.loop) for f in futures)
+        return update(self, futures)
+
+    expected = screen_fn([mixed], client=cluster, device="cpu", batch_size=4)
+    with Client(cluster.scheduler.address, timeout=60) as other, \
+            pytest.MonkeyPatch.context() as mp:
+        assert default_client() is other and other.loop is not cluster.loop
+        mp.setattr(as_completed, "update", checked_update)
+        assert screen_fn([mixed], client=cluster, device="cpu", batch_size=4) == expected
+    assert loops and all(tracked is own for tracked, own in loops)
+
+
 @pytest.mark.time_limit(300)
 def test_optimize_on_scheduler_equals_local(cluster, tmp_path):
     frames = ase.io.read(DATA / "screen_ch4.xyz", index=":3") + [ase.build.molecule("H2O")]

@@ -580,7 +580,9 @@ def _execute(client, fn, spec: dict, tasks: list, sink, bar, callback) -> None:
     # to the client's event loop).
     window = max(32, 8 * nthreads)
     submitted = 0
-    running = as_completed(with_results=True, raise_errors=False)
+    # On this client's event loop: as_completed's default is the default client's
+    # (the newest one), and futures tracked on another client's loop never complete.
+    running = as_completed(loop=client.loop, with_results=True, raise_errors=False)
     in_flight = 0
 
     def refill() -> None:

@@ -349,6 +349,41 @@ def test_join_batches_largest_first_single_batches_last(nthreads):
     assert screen_module._join_batches(batches, 0, nthreads) == [[b] for b in batches]
 
 
+def test_task_results_travel_as_one_pickle():
+    """A task's records reach the client in one message frame, not one per record."""
+    from distributed.protocol import deserialize, serialize, to_serialize
+
+    records = [{"i": i, "energy": -40.5 - i} for i in range(1000)]
+    _, frames = serialize(to_serialize(records))
+    assert len(frames) >= 1000  # what Dask does with a list: the reason for _Shipped
+    header, frames = serialize(to_serialize(screen_module._Shipped(records)))
+    assert len(frames) <= 2
+    assert deserialize(header, frames).records == records
+
+
+@pytest.mark.parametrize("indent", [None, 0, 2, 4])
+@pytest.mark.parametrize("forces", [False, True])
+def test_energy_file_is_json_dumps(indent, forces):
+    """The final energy file (templated structure entries) is json.dumps of its dict."""
+    import io
+
+    files = ["a.xyz", 'we"ird %d é.xyz']
+    items = [{"file": files[i % 2], "frame": i // 2, "natoms": 3 + i % 4} for i in range(9)]
+    recs = [{"energy": -40.5 - i / 7, "forces": [[0.1 * i, -0.5, 1e-300]] * item["natoms"]}
+            for i, item in enumerate(items)]
+    recs[4] = {"error": "a.xyz, frame 2: no element Xx"}
+    recs[7]["energy"] = float("nan")
+    out = io.StringIO()
+    screen_module._write_energy(out, items, recs.__getitem__, {"forces": forces, "hessians": False},
+                                indent)
+    expected = {"energies": [r.get("energy") for r in recs]}
+    if forces:
+        expected["forces"] = [r.get("forces") for r in recs]
+    expected["structures"] = [dict(item, **({"error": r["error"]} if "error" in r else {}))
+                              for item, r in zip(items, recs)]
+    assert out.getvalue() == json.dumps(expected, indent=indent) + "\n"
+
+
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
                     lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner), max_leaves=20),
        st.integers(0, 4), st.integers(0, 3))

@@ -6,8 +6,11 @@ Workloads (energies, float32, the default batches of 64):
 
 Each is run end to end (read, batch, evaluate, write the JSON) by the local command in
 this process with one thread, then by ``torchani_fast.screen`` on a LocalCluster of 1 and
-of 2 single-threaded worker processes on 127.0.0.1 (models already loaded: the
-cluster's start and each worker's model load are timed separately). Printed: structures/s,
+of 2 single-threaded worker processes on 127.0.0.1. Both clusters stay up; the cluster's
+start and each worker's model load are timed separately, and each workload runs once on
+each cluster before timing (checked against the local command's bytes), so the rounds
+measure a long run's steady state. A round runs a workload locally, on 1 and on 2 workers
+back to back. Printed: structures/s,
 speed-up over the local process, parallel efficiency (2 workers / (2 x 1 worker)) and
 per-task overhead ((1-worker wall time / tasks) - a task's mean compute, against that compute;
 tasks are a few consecutive batches each, see torchani_fast.screen). Medians of --rounds runs.
@@ -15,6 +18,7 @@ tasks are a few consecutive batches each, see torchani_fast.screen). Medians of 
     python benchmarks/benchmark_screening.py [--ch4 20000] [--conformers 2000]
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -104,42 +108,50 @@ def main() -> None:
         _local(warm, tmp / "w.json")  # loads the model in this process
         runs: dict = {name: {"local": [], 1: [], 2: []} for name in inputs}
         tasks: dict = {name: [] for name in inputs}  # 1 worker: compute seconds of each task
-        for r in range(args.rounds):  # rounds: this VM's speed drifts by 20% from minute to minute
-            for name, (path, _) in inputs.items():
-                runs[name]["local"].append(_local(path, tmp / "local.json"))
-            for workers in (1, 2):
+        with contextlib.ExitStack() as stack:
+            clients = {}
+            for workers in (1, 2):  # both clusters stay up (idle: 0.01 of a core each)
                 t0 = time.perf_counter()
-                with local_cluster(workers) as cluster, Client(cluster) as client:
-                    client.wait_for_workers(workers)
-                    started = time.perf_counter() - t0
-                    t1 = time.perf_counter()
-                    client.run(_load_model)  # on every worker: imports torch, loads the model
-                    _dask(client, warm, tmp / "w.json")
-                    loaded = time.perf_counter() - t1
-                    print(f"round {r}, {workers} worker(s): cluster start {started:.1f} s, first run "
-                          f"(imports, model load) {loaded:.1f} s", flush=True)
-                    for name, (path, n) in inputs.items():
-                        out = tmp / f"dask{workers}.json"
-                        wall, compute = _dask(client, path, out)
+                cluster = stack.enter_context(local_cluster(workers))
+                client = stack.enter_context(Client(cluster))
+                client.wait_for_workers(workers)
+                started = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                client.run(_load_model)  # on every worker: imports torch, loads the model
+                _dask(client, warm, tmp / "w.json")
+                loaded = time.perf_counter() - t1
+                print(f"{workers} worker(s): cluster start {started:.1f} s, first run (imports, "
+                      f"model load) {loaded:.1f} s", flush=True)
+                for name, (path, n) in inputs.items():  # a long run's steady state: warm, checked
+                    out = tmp / f"dask{workers}.json"
+                    _dask(client, path, out)
+                    local = tmp / "check.json"
+                    _local(path, local)  # same bytes as the local command (1 thread)
+                    assert out.read_bytes() == local.read_bytes(), f"{name}: results differ"
+                clients[workers] = client
+            # Rounds: this VM's speed drifts by 10-20% from minute to minute, so each
+            # round runs a workload locally, on 1 and on 2 workers back to back.
+            for r in range(args.rounds):
+                for name, (path, _) in inputs.items():
+                    runs[name]["local"].append(_local(path, tmp / "local.json"))
+                    for workers, client in clients.items():
+                        wall, compute = _dask(client, path, tmp / f"dask{workers}.json")
                         runs[name][workers].append(wall)
                         if workers == 1:
                             tasks[name].append((wall, compute))
-                        if r == 0:
-                            local = tmp / "check.json"
-                            _local(path, local)  # same bytes as the local command (1 thread)
-                            assert out.read_bytes() == local.read_bytes(), f"{name}: results differ"
         times = {name: {k: statistics.median(v) for k, v in d.items()} for name, d in runs.items()}
         print(f"\n{'workload':26} {'local/s':>8} {'1w/s':>8} {'2w/s':>8} {'str/s local':>11} "
               f"{'1w':>7} {'2w':>7} {'2w/1w':>6} {'eff':>5} {'2w/local':>8} {'tasks':>5} "
               f"{'task/ms':>8} {'ovh/ms':>7} {'ovh%':>5}")
         for name, (path, n) in inputs.items():
             t = times[name]
+            pair = statistics.median(a / b for a, b in zip(runs[name][1], runs[name][2]))
             # 1 worker, the median round: wall = the tasks' compute + what is not overlapped
             wall, compute = sorted(tasks[name])[len(tasks[name]) // 2]
             per_task = sum(compute) / len(compute)
             overhead = wall / len(compute) - per_task
             print(f"{name:26} {t['local']:8.2f} {t[1]:8.2f} {t[2]:8.2f} {n / t['local']:11.0f} "
-                  f"{n / t[1]:7.0f} {n / t[2]:7.0f} {t[1] / t[2]:6.2f} {t[1] / t[2] / 2:5.2f} "
+                  f"{n / t[1]:7.0f} {n / t[2]:7.0f} {pair:6.2f} {pair / 2:5.2f} "
                   f"{t['local'] / t[2]:8.2f} {len(compute):5d} {per_task * 1e3:8.1f} "
                   f"{overhead * 1e3:7.1f} {100 * overhead / per_task:5.1f}")
         print("2 workers / 1 worker per round:", {name: [round(a / b, 2) for a, b in zip(d[1], d[2])]
@@ -147,7 +159,7 @@ def main() -> None:
         print(json.dumps({k: {str(w): round(v, 3) for w, v in d.items()} for k, d in times.items()}))
         print("tasks: Dask tasks (each a few consecutive batches); task/ms: their mean compute on the "
               "worker (Dask's task stream); ovh/ms: 1-worker wall time per task beyond it (scan, "
-              "scheduling, transfer, writing); medians of the rounds")
+              "scheduling, transfer, writing); medians of the rounds (2w/1w: of each round's ratio)")
 
 
 if __name__ == "__main__":

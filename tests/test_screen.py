@@ -332,6 +332,21 @@ def test_joined_batches_give_the_same_results(cluster, mixed):
         screen_fn([mixed], client=cluster, task_atoms=-1)
 
 
+@pytest.mark.time_limit(240)
+def test_final_file_from_kept_records_or_from_the_partial_file(cluster, mixed, tmp_path, monkeypatch):
+    """The final file is the same whether its records were kept in memory, read back
+    from OUTPUT.partial, or some of each."""
+    texts = []
+    for keep in (screen_module._KEEP_BYTES, 0, 3000):
+        monkeypatch.setattr(screen_module, "_KEEP_BYTES", keep)
+        out = tmp_path / f"keep{keep}.json"
+        screen_fn([mixed], client=cluster, dtype="float64", device="cpu", forces=True,
+                  batch_size=4, task_atoms=0, output=out, return_results=False)
+        texts.append(out.read_bytes())
+    assert texts[0] == texts[1] == texts[2]
+    assert len(json.loads(texts[0])["energies"]) == len(ase.io.read(mixed, index=":"))
+
+
 def _batches(sizes):
     items = iter(range(10 ** 6))
     return [[{"natoms": n, "i": next(items)} for n in batch] for batch in sizes]

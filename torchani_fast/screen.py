@@ -416,6 +416,9 @@ def _join_batches(batches: list, task_atoms: int, nthreads: int) -> tp.List[list
 
 
 # ---------------------------------------------------------------- partial file
+_KEEP_BYTES = 16 << 20  # records kept in memory, as JSON text (~5-10x that as objects)
+
+
 class _Partial:
     """``OUTPUT.partial``: a header line, then one line per finished task: the
     JSON list of its structures' records.
@@ -427,6 +430,11 @@ class _Partial:
     def __init__(self, output: Path, header: dict, resume: bool):
         self.path = output.with_name(output.name + ".partial")
         self.done: tp.Dict[int, tp.Tuple[int, int]] = {}  # structure -> (its line's offset, place)
+        # The records this run wrote, also kept in memory while their lines total
+        # at most _KEEP_BYTES: the final file then needs no second parse of them
+        # (30-40 ms for 20 000 energies, on the critical path at the end).
+        self.kept: tp.Dict[int, dict] = {}
+        self.kept_bytes = 0
         if self.path.exists() and not resume:
             raise ScreenError(f"{self.path} exists (an interrupted run): pass --resume to "
                               "continue it, or delete it to start over")
@@ -476,8 +484,12 @@ class _Partial:
         pos = self.file.tell()
         for k, rec in enumerate(new):
             self.done[rec["i"]] = (pos, k)
-        self.file.write((json.dumps(new) + "\n").encode())
+        line = (json.dumps(new) + "\n").encode()
+        self.file.write(line)
         self.file.flush()
+        if self.kept_bytes + len(line) <= _KEEP_BYTES:
+            self.kept_bytes += len(line)
+            self.kept.update((rec["i"], rec) for rec in new)
 
     def records(self) -> tp.Callable[[int], dict]:
         """Record ``i``, read back from the partial file (the lines of the last
@@ -490,6 +502,9 @@ class _Partial:
             return json.loads(reader.readline())
 
         def get(i: int) -> dict:
+            rec = self.kept.get(i)
+            if rec is not None:
+                return rec
             pos, k = self.done[i]
             return line(pos)[k]
 
@@ -799,7 +814,8 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
     return_results : bool
         Return the per-structure results (False for runs too big for memory).
     callback : callable, optional
-        Called with the records of every finished batch (as they arrive).
+        Called with the records of every finished batch (as they arrive); they
+        are what the output file is written from, so it must not modify them.
     timeout : float, optional
         Seconds to wait for the scheduler when connecting (and reconnecting);
         default dask's ``distributed.comm.timeouts.connect``.

@@ -339,11 +339,11 @@ at::Tensor ensemble_energies_autograd(const at::Tensor& aev, const at::Tensor& a
 std::tuple<at::Tensor, at::Tensor> simd_activation_cpu(const at::Tensor& x, int64_t activation);
 at::Tensor simd_erf_cpu(const at::Tensor& x);
 
-// weights_state (ensemble/ensemble_cpu.cpp): whether any of params requires grad, and a
+// weights_state (ensemble/weights_cpu.cpp): whether any of params requires grad, and a
 // fingerprint of their storages, offsets and version counters, which changes
 // when one of them is modified in place (load_state_dict, copy_, an optimizer
-// step) or given new storage (param.data = ...). FusedEnsemble drops its
-// packed copies when it changes. Writes through .data do not count: .data has
+// step) or given new storage (param.data = ...). PackCache::check drops the
+// packed copies when it changes (ensemble/pack_cache.h). Writes through .data do not count: .data has
 // its own version counter.
 std::tuple<bool, int64_t> weights_state(at::TensorList params);
 

@@ -10,37 +10,30 @@
 #include "pairpot/pairpot.h"
 #include "schemas.h"
 #include "common/simd_math.h"
-
-namespace torchani_fast {
-// weights_state of tensors kept on the C++ side (torch.classes.torchani_fast.
-// WeightsWatch): an eager caller checks them on every call without converting
-// a Python list each time.
-struct WeightsWatch : torch::CustomClassHolder {
-  explicit WeightsWatch(std::vector<at::Tensor> tensors) : params(std::move(tensors)) {}
-  std::tuple<bool, int64_t> state() const { return weights_state(params); }
-  std::vector<at::Tensor> params;
-};
-
-// The weight cache of a scripted FusedEnsemble (torch.classes.torchani_fast.
-// PackCache): dict() hands out the same dict every time (c10::Dict shares its
-// storage). It pickles as empty, so torch.jit.save writes the weights only and
-// a copy or a loaded model starts with an empty cache.
-struct PackCache : torch::CustomClassHolder {
-  c10::Dict<int64_t, c10::List<at::Tensor>> dict() const { return entries; }
-  c10::Dict<int64_t, c10::List<at::Tensor>> entries;
-};
-}  // namespace torchani_fast
+#include "common/workspace.h"
+#include "ensemble/pack_cache.h"
 
 TORCH_LIBRARY(torchani_fast, m) {
   using namespace torchani_fast::schema;
-  m.class_<torchani_fast::WeightsWatch>("WeightsWatch")
-      .def(torch::init<std::vector<at::Tensor>>())
-      .def("state", &torchani_fast::WeightsWatch::state);
-  m.class_<torchani_fast::PackCache>("PackCache")
+  using torchani_fast::PackCache;
+  m.class_<PackCache>("PackCache")
       .def(torch::init<>())
-      .def("dict", &torchani_fast::PackCache::dict)
-      .def_pickle([](const c10::intrusive_ptr<torchani_fast::PackCache>&) -> int64_t { return 0; },
-                  [](int64_t) { return c10::make_intrusive<torchani_fast::PackCache>(); });
+      .def("watch", &PackCache::watch)
+      .def("check", &PackCache::check)
+      .def("get", &PackCache::get)
+      .def("put", &PackCache::put)
+      .def("clear", &PackCache::clear)
+      .def("keys", &PackCache::keys)
+      .def("tensors", &PackCache::tensors)
+      .def("dict", &PackCache::dict)
+      .def_pickle([](const c10::intrusive_ptr<PackCache>&) -> int64_t { return 0; },
+                  [](int64_t) { return c10::make_intrusive<PackCache>(); });
+  using torchani_fast::Workspace;
+  m.class_<Workspace>("Workspace")
+      .def(torch::init<>())
+      .def("enter", &Workspace::enter)
+      .def("exit", &Workspace::exit)
+      .def("nbytes", &Workspace::nbytes);
   for (const char* schema :
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevWithEdges, kAevBackwardEdges, kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,

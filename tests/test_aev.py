@@ -1,6 +1,7 @@
 """The AEV op and AEVComputer against TorchANI's own featurizer (same process)."""
 
 import copy
+import threading
 
 import numpy as np
 import pytest
@@ -267,17 +268,19 @@ def test_float32_coincident_atoms_match_float64():
     torch.testing.assert_close(g32.double(), g64, rtol=1e-4, atol=1e-4)
 
 
-def test_reused_output_memory_never_overwrites_a_held_tensor():
-    """The CPU AEV and its gradient from the networks op reuse their memory from
-    one call to the next (csrc/common/output_cache.h) only once nothing references
-    it: outputs the caller keeps stay intact, and reused ones hold the new
-    values (checked against TorchANI). small.xyz in float64: 2 MB per output."""
+def test_workspace_reuses_memory_but_never_a_held_tensor():
+    """Inside a Workspace the CPU AEV and the networks op's AEV gradient reuse
+    their memory from one call to the next (csrc/common/workspace.h), only once
+    nothing references it: outputs the caller keeps stay intact, and reused ones
+    hold the new values (checked against TorchANI). Outside any workspace the
+    ops keep nothing. small.xyz in float64: 2 MB per output."""
     ref, fast = model_pair("ANI2x", torch.float64)
     species, coords, _, _ = atoms_to_tensors(read_molecule("small.xyz"))
     elem = ref.species_converter(species)
     aevc, nets = fast.potentials["nnp"].aev_computer, fast.potentials["nnp"].neural_networks
     ref_aevc, ref_nets = ref.potentials["nnp"].aev_computer, ref.potentials["nnp"].neural_networks
-    assert aevc(elem, coords).numel() * 8 > 2**20  # above the cache's 1 MB threshold
+    block = aevc(elem, coords).numel() * 8
+    assert block > 2**20  # above the workspace's 1 MB threshold
 
     def aev_and_grad(model_aevc, model_nets, x):
         aev = model_aevc(elem, x)
@@ -287,23 +290,61 @@ def test_reused_output_memory_never_overwrites_a_held_tensor():
 
     geometries = [coords + 0.02 * k * torch.sin(torch.arange(coords.numel(), dtype=torch.float64)).view_as(coords)
                   for k in range(4)]
-    held = [aev_and_grad(aevc, nets, x) for x in geometries[:2]]  # both kept
-    copies = [(a.clone(), g.clone()) for a, g in held]
-    for x in geometries[2:]:
-        aev_and_grad(aevc, nets, x)  # results dropped at once: their memory is free to reuse
+    workspace = torchani_fast.Workspace()
+    aev_and_grad(aevc, nets, coords)
+    assert workspace.nbytes == 0  # (calls outside it)
+    with workspace:
+        held = [aev_and_grad(aevc, nets, x) for x in geometries[:2]]  # both kept
+        copies = [(a.clone(), g.clone()) for a, g in held]
+        pointers = []
+        for x in geometries[2:]:
+            a, g = aev_and_grad(aevc, nets, x)  # results dropped at once: their memory is free to reuse
+            pointers.append((a.data_ptr(), g.data_ptr()))
+            del a, g
+    assert pointers[0] == pointers[1]  # the fourth call reused the third's blocks
+    assert workspace.nbytes == 2 * block  # one AEV and one AEV gradient held for the next call
     for (a, g), (a0, g0) in zip(held, copies):
         assert torch.equal(a, a0) and torch.equal(g, g0)
     assert not torch.equal(held[0][0], held[1][0])
     for x in geometries:
-        got, expected = aev_and_grad(aevc, nets, x), aev_and_grad(ref_aevc, ref_nets, x)
-        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-12)
-        # The fused networks skip an atom's 16-column AEV chunks that are zero (no
-        # neighbours of that kind: the AEV's derivative there is zero too, so J is
-        # not needed there); compare where the atom's chunk is nonzero.
-        nonzero = expected[0].unflatten(-1, (-1, 16)).ne(0).any(-1, keepdim=True)
-        used = nonzero.expand(*nonzero.shape[:-1], 16).flatten(-2)
-        assert used.float().mean() > 0.2
-        torch.testing.assert_close(got[1][used], expected[1][used], rtol=1e-10, atol=1e-12)
+        expected = aev_and_grad(ref_aevc, ref_nets, x)
+        with workspace:
+            inside = aev_and_grad(aevc, nets, x)
+        outside = aev_and_grad(aevc, nets, x)
+        for got in (inside, outside):
+            torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-12)
+            # The fused networks skip an atom's 16-column AEV chunks that are zero (no
+            # neighbours of that kind: the AEV's derivative there is zero too, so J is
+            # not needed there); compare where the atom's chunk is nonzero.
+            nonzero = expected[0].unflatten(-1, (-1, 16)).ne(0).any(-1, keepdim=True)
+            used = nonzero.expand(*nonzero.shape[:-1], 16).flatten(-2)
+            assert used.float().mean() > 0.2
+            torch.testing.assert_close(got[1][used], expected[1][used], rtol=1e-10, atol=1e-12)
+        assert torch.equal(inside[0], outside[0]) and torch.equal(inside[1], outside[1])
+
+
+def test_workspace_is_current_in_the_thread_that_entered_it():
+    """A workspace serves the calls of the thread inside its ``with`` block
+    only; blocks nest; leaving one that is not the current one is an error."""
+    _, fast = model_pair("ANI2x", torch.float64)
+    species, coords, _, _ = atoms_to_tensors(read_molecule("small.xyz"))
+    elem = fast.species_converter(species)
+    aevc = fast.potentials["nnp"].aev_computer
+    outer, inner = torchani_fast.Workspace(), torchani_fast.Workspace()
+    with outer:
+        thread = threading.Thread(target=lambda: aevc(elem, coords))
+        thread.start()
+        thread.join()
+        assert outer.nbytes == 0  # another thread's call
+        with inner:
+            kept = aevc(elem, coords)
+        assert inner.nbytes == kept.numel() * 8 and outer.nbytes == 0
+        aevc(elem, coords)
+        assert outer.nbytes == kept.numel() * 8
+        with pytest.raises(RuntimeError, match="not the current one"):
+            inner.__exit__(None, None, None)
+    with pytest.raises(RuntimeError, match="not the current one"):
+        outer.__exit__(None, None, None)
 
 
 def test_chunked_half_edges_same_bits_for_any_thread_count():

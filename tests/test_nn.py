@@ -570,7 +570,7 @@ def test_first_layer_cache_is_bounded():
     for subset in subsets:
         s = torch.tensor([subset[k % len(subset)] for k in range(species.shape[1])]).unsqueeze(0)
         assert_energies(fast((s, coords)).energies, ref((s, coords)).energies, torch.float64)
-        keys = list(nn._eager_cache)
+        keys = nn._packs.keys()
         # layer-1 packs (keys >= 0) bounded; hidden layers and panels: at most one per element
         # and one for the hidden layers
         assert sum(k >= 0 for k in keys) <= nn.max_first_layer_packs
@@ -822,7 +822,9 @@ def test_unpickling_a_module_from_an_older_version():
     ref, fast = model_pair("ANI2x", torch.float64)
     nets = fast.potentials["nnp"].neural_networks
     state = nets.__getstate__()
-    del state["native_cpu"], state["_weights_fingerprint"]
+    del state["native_cpu"], state["_plans_epoch"], state["_packs"], state["_script_packs"]
+    # (the caches of torchani_fast before 0.2, as they were pickled)
+    state.update(_eager_cache={}, _jit_cache=None, _params_watch=None, _weights_fingerprint=-1)
     old = type(nets).__new__(type(nets))
     old.__setstate__(state)
     fast.potentials["nnp"].neural_networks = old

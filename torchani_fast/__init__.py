@@ -69,6 +69,7 @@ except ImportError as exc:  # keep the real reason: a missing build, an ABI mism
     ) from exc
 
 from . import ops  # noqa: E402,F401  (fake kernels)
+from .evaluate import Workspace  # noqa: E402
 
 if _LEGACY:
     # TorchANI 2.2.4: patch() and the AEV computer of torchani_fast.legacy; the
@@ -91,8 +92,8 @@ else:
     from .screen import screen  # noqa: E402  (the function; the module is sys.modules["torchani_fast.screen"])
 
 __version__ = "0.1.0"
-__all__ = ["AEVComputer", "EnergyForcesStep", "patch", "is_patched", "ops", "grad", "cpu_isa",
-           "screen", "__version__"]
+__all__ = ["AEVComputer", "EnergyForcesStep", "Workspace", "patch", "is_patched", "ops", "grad",
+           "cpu_isa", "screen", "__version__"]
 
 _ISA_LEVELS = ("none", "avx2", "avx512")
 

@@ -34,7 +34,7 @@ from ase.calculators.calculator import Calculator as _AseCalculator
 from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from .evaluate import model_float
+from .evaluate import Workspace, model_float
 from .validation import check_elements, check_periodic_work
 
 __all__ = ["Calculator", "periodic_cell"]
@@ -165,6 +165,7 @@ class Calculator(_AseCalculator):
         self._pbc: tp.Optional[Tensor] = None
         self._volume = 0.0
         self._eye = torch.eye(3, dtype=self._dtype, device=self._device)
+        self._workspace = Workspace()  # the CPU ops' outputs reuse the last call's memory
 
     @property
     def device(self) -> torch.device:
@@ -254,7 +255,7 @@ class Calculator(_AseCalculator):
             self.atoms.set_positions(wrapped)
             if atoms is not None:  # keep the caller's Atoms equal to the cached copy
                 atoms.set_positions(wrapped)
-        with torch.enable_grad():
+        with torch.enable_grad(), self._workspace:
             energy, forces, virial = self._evaluate(species, elem_idxs, coords, cell, pbc)
         self.evaluations += 1
 

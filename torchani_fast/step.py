@@ -19,7 +19,8 @@ wrong energy is never returned silently; ``check_every=n`` checks only every
 n-th call (faster, but up to n-1 results may be wrong before the error).
 
 One step may be shared by threads: its buffers (the neighbour list's pair
-count, the captured graph's inputs and outputs) belong to the object, so each
+count, the captured graph's inputs and outputs, the :class:`Workspace` whose
+memory the CPU ops reuse from one call to the next) belong to the object, so each
 call holds the step's lock from the input copy to the pair-count check, and
 the calls run one after another. A pair count read by a call is always that
 call's own.
@@ -36,7 +37,7 @@ from torch import Tensor
 
 from .aev import AEVComputer, NeighborList
 from .nn import FusedEnsemble, FusedNetworks
-from .evaluate import forces_of, require_tensors
+from .evaluate import Workspace, forces_of, require_tensors
 from .patch import is_patched, kept_parts, nnp_of
 from .potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList
 from .validation import check_periodic_work
@@ -138,6 +139,7 @@ class EnergyForcesStep:
         # The pair count, the static graph buffers and ``calls`` are shared by
         # every caller of this object: one call at a time (see the module doc).
         self._lock = threading.Lock()
+        self._workspace = Workspace()
         use_graph = coords.device.type == "cuda" if cuda_graph is None else cuda_graph
         self._warm_up(coords, use_graph and coords.device.type == "cuda")
 
@@ -146,12 +148,13 @@ class EnergyForcesStep:
         return self.neighborlist.max_pairs
 
     def _eager(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
-        neighbors = self.neighborlist(self.cutoff, self.elem, x, self.cell, self.pbc)
-        aev = self.aev_computer.compute_from_neighbors(self.elem, x, neighbors)
-        energies = self.networks.energies_fixed(self.elem, aev, self.groups) + self.shift
-        for pot in self.potentials:
-            energies = energies + pot.compute_from_neighbors(self.elem, x, neighbors).energies
-        return energies.detach(), forces_of(energies, x)
+        with self._workspace:  # the AEV and its gradient reuse the last call's memory (CPU)
+            neighbors = self.neighborlist(self.cutoff, self.elem, x, self.cell, self.pbc)
+            aev = self.aev_computer.compute_from_neighbors(self.elem, x, neighbors)
+            energies = self.networks.energies_fixed(self.elem, aev, self.groups) + self.shift
+            for pot in self.potentials:
+                energies = energies + pot.compute_from_neighbors(self.elem, x, neighbors).energies
+            return energies.detach(), forces_of(energies, x)
 
     def _warm_up(self, coords: Tensor, capture: bool) -> None:
         self._static_x = coords.detach().clone().requires_grad_(True)

@@ -16,7 +16,7 @@
 
 #include "aev/half_edges.h"
 #include "aev/vector_cpu.h"
-#include "common/output_cache.h"
+#include "common/workspace.h"
 #include "common/parallel.h"
 #include "common/simd_math.h"
 
@@ -314,8 +314,8 @@ std::tuple<at::Tensor, at::Tensor> aev_forward_impl(const at::Tensor& species,
                                                     const at::Tensor& diff_vectors,
                                                     const AEVParams& p, bool keep) {
   const AevInputs in("torchani_fast::aev", species, pairs, diff_vectors, p);
-  static thread_local OutputCache cache;
-  auto aev = cache.empty(aev_shape(species, p), in.diff.options());  // every row written by the kernel
+  // Every row is written by the kernel; the memory from the caller's workspace, if any.
+  auto aev = output_empty(Workspace::kAev, aev_shape(species, p), in.diff.options());
   at::Tensor handle;
   AT_DISPATCH_FLOATING_TYPES(in.diff.scalar_type(), "aev_forward_cpu", [&] {
     Consts<scalar_t> k(p);

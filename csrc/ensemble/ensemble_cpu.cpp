@@ -39,7 +39,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/output_cache.h"
+#include "common/workspace.h"
 #include "common/parallel.h"
 #include "common/simd_math.h"
 #include "ensemble/gemm.h"
@@ -745,10 +745,9 @@ at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Te
       }
     }
     // Every row is written in one pass: zeros, then the atom's used columns,
-    // while the row is in cache; the memory is reused across calls
-    // (common/output_cache.h).
-    static thread_local OutputCache cache;
-    out = cache.empty({num_atoms, features}, grad.options());
+    // while the row is in cache; the memory from the caller's workspace, if
+    // any (common/workspace.h).
+    out = output_empty(Workspace::kAevGrad, {num_atoms, features}, grad.options());
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* jac = jacobian.data_ptr<scalar_t>();
     std::vector<const int64_t*> cols(sizes.size());

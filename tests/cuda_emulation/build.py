@@ -46,7 +46,7 @@ def load(verbose=False):
             sources.append(str(dst))
     sources += [str(CSRC / "aev" / "aev_cpu.cpp"), str(CSRC / "aev" / "vector_cpu.cpp"),
                 str(CSRC / "neighbors" / "neighbors_cpu.cpp"), str(CSRC / "common" / "parallel.cpp"),
-                str(HERE / "emu_registration.cpp")]
+                str(CSRC / "common" / "workspace.cpp"), str(HERE / "emu_registration.cpp")]
     flags = ["-O1", "-std=c++20", "-fopenmp", "-DTORCHANI_FAST_CUDA",
              "-Dtorchani_fast=torchani_fast_emu", f"-I{out}", f"-I{HERE}", f"-I{CSRC}"]
     cpp_extension.load(

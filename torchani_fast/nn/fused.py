@@ -51,7 +51,7 @@ class _FusedBase(AtomicContainer):
     Not built directly: use :func:`fuse_networks` or ``FusedEnsemble.from_torchani``.
     """
 
-    __jit_ignored_attributes__ = ["_eager_cache", "_native_plans", "_params_watch", "_params_replaced"]
+    __jit_ignored_attributes__ = ["_packs", "_native_plans", "_plans_epoch", "_params_replaced"]
 
     is_ensemble: Final[bool]
     max_first_layer_packs: int
@@ -80,7 +80,6 @@ class _FusedBase(AtomicContainer):
     _flat_params: tp.List[Tensor]
     params_per_member: int
     param_offsets: tp.List[int]  # per element: index of its W1 within a member
-    _weights_fingerprint: int  # weights_state of _flat_params when the cache was last checked
 
     def _init_layout(self, aev_computer: tp.Optional[torch.nn.Module]) -> None:
         atomics = self._member_atomics()[0]
@@ -101,6 +100,12 @@ class _FusedBase(AtomicContainer):
             self.param_offsets.append(off)
             off += 2 * n
         self.params_per_member = off
+        # The packed weights (csrc/ensemble/pack_cache.h): the eager module's,
+        # and each scripted copy's own (__prepare_scriptable__).
+        self._packs = torch.classes.torchani_fast.PackCache()
+        self._script_packs = torch.classes.torchani_fast.PackCache()
+        self._native_plans = {}  # eager CPU: the op's arguments per (members, groups), see _native_plan
+        self._plans_epoch = -1  # the packs' epoch the plans were built at
         self._refresh_params()
         self.in_dim = int(_linears(atomics[0])[0].in_features)
         self.radial_sublen, self.angular_sublen, self.triu = _aev_layout(
@@ -120,10 +125,6 @@ class _FusedBase(AtomicContainer):
         w = _linears(atomics[0])[0].weight
         # Follows the parameters through .to()/.double(): the cache is checked against it.
         self.register_buffer("_probe", torch.zeros(0, dtype=w.dtype, device=w.device), persistent=False)
-        self._jit_cache = torch.classes.torchani_fast.PackCache()  # the cache of a scripted module
-        self._weights_fingerprint = -1
-        self._eager_cache = {}  # the cache of the eager module (invisible to TorchScript)
-        self._native_plans = {}  # eager CPU: the op's arguments per (members, groups), see _native_plan
 
     # -- TorchANI AtomicContainer interface -----------------------------------------
 
@@ -203,13 +204,12 @@ class _FusedBase(AtomicContainer):
         Needed only after writes through ``.data`` (``p.data.add_(x)``): every
         other in-place change or new storage of a parameter is detected by the
         next call; ``load_state_dict`` and ``.to()`` clear it.
-        ``torch.jit.save`` and copies never carry the cache (a scripted module
-        keeps it in a ``torch.classes.torchani_fast.PackCache``, which pickles as
-        empty): a saved ANI-2x is the size of TorchANI's file (55 MB) after any call.
+        ``torch.jit.save`` and copies never carry the cache (a
+        ``torch.classes.torchani_fast.PackCache``, which pickles as empty): a
+        saved ANI-2x is the size of TorchANI's file (55 MB) after any call.
         """
-        if torch.jit.is_scripting():
-            self._jit_cache.dict().clear()
-        else:
+        self._cache().clear()
+        if not torch.jit.is_scripting():
             self._eager_clear()
 
     @torch.jit.unused
@@ -257,14 +257,12 @@ class _FusedBase(AtomicContainer):
                     aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k,
                     self.zero_blocks_exact, self.activation)
         ws: tp.List[tp.List[tp.List[Tensor]]] = []
-        training = self._check_weights()
+        training = self._weights_epoch() < 0
         if training:
             # Differentiable packing on every call, nothing cached: exact weight
             # gradients, and an optimizer step is seen by the next call. Packs
             # cached before training began would be stale once it ends: dropped.
             self._cache().clear()
-            if not torch.jit.is_scripting():
-                self._eager_plans_clear()
             ws = self._member_weights()
             hidden = hidden_packs(ws, act, self.num_species, self.num_layers, self.layer_biases,
                                   self.output_row)
@@ -327,7 +325,7 @@ class _FusedBase(AtomicContainer):
         packs on every call (an optimizer step changes the weights in place,
         unseen by the cache), with or without grad mode."""
         if torch.jit.is_scripting():
-            if self._check_weights():
+            if self._weights_epoch() < 0:
                 return None
             return self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True)
         return self._native_plan(act, group_elem, group_mask)
@@ -335,29 +333,27 @@ class _FusedBase(AtomicContainer):
     @torch.jit.unused
     def _native_plan(self, act: tp.List[int], group_elem: tp.List[int],
                      group_mask: tp.List[int]) -> tp.Optional[OpArgs]:
-        """``_native_args`` of an eager module: cached per (members, groups) (a
-        call with a composition seen before costs one dict lookup here), with
-        the weights check (``weights_state``) on the parameters they come from only."""
-        key = (_bitmask(act), tuple(group_elem), tuple(group_mask))
-        plan = self._native_plans.get(key)
-        if plan is not None and not self._params_replaced and not self._stale(plan.op_args[1][0]):
-            requires_grad, fingerprint = plan.watch.state()
-            if not requires_grad and fingerprint == plan.fingerprint:
-                return plan.op_args
-        # A new plan, or one whose parameters changed or require grad: check all
-        # of them, which drops every pack and plan if any changed since.
-        if self._check_weights():
+        """``_native_args`` of an eager module, kept per (members, groups): a call
+        with a composition seen before costs one dict lookup and the weights
+        check. A plan is valid while the packs' epoch is the one it was built at
+        (no pack dropped since: see ``PackCache``)."""
+        epoch = self._weights_epoch()
+        if epoch < 0:
             return None  # nothing built or cached: the weights may change in place
-        per_member = self._member_weights()
-        watch = torch.classes.torchani_fast.WeightsWatch(
-            [p for j in act for e in set(group_elem) for p in per_member[j][e]])
+        key = (_bitmask(act), tuple(group_elem), tuple(group_mask))
+        plan = self._native_plans.get(key) if epoch == self._plans_epoch else None
+        if plan is not None and not self._stale(plan.op_args[1][0]):
+            return plan.op_args
         with torch.inference_mode(False):  # panels usable by later calls with forces
-            plan = _NativePlan(self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True),
-                               watch, watch.state()[1])
-        if len(self._native_plans) >= self.max_first_layer_packs:
+            op_args = self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True)
+        epoch = self._packs.check()  # (building may have dropped an older layer-1 pack)
+        if epoch != self._plans_epoch:  # every plan built before is stale
+            self._native_plans = {}
+            self._plans_epoch = epoch
+        elif len(self._native_plans) >= self.max_first_layer_packs:
             self._native_plans.pop(next(iter(self._native_plans)))  # the oldest
-        self._native_plans[key] = plan
-        return plan.op_args
+        self._native_plans[key] = _NativePlan(op_args, epoch)
+        return op_args
 
     def _op_args(self, act: tp.List[int], group_elem: tp.List[int], group_mask: tp.List[int],
                  hidden: tp.List[Tensor], with_panels: bool) -> OpArgs:
@@ -381,7 +377,7 @@ class _FusedBase(AtomicContainer):
             packs.extend(hidden_e)
             layers.append(self.num_layers[e])
             if use_panels:
-                group_panels = self._panels(act, e, cached, hidden_e)
+                group_panels = self._panels(act, e, group_mask[g], cached, hidden_e)
                 if group_panels is None:
                     use_panels = False
                 else:
@@ -390,7 +386,7 @@ class _FusedBase(AtomicContainer):
             panels = []
         return (columns, first, packs, panels, layers)
 
-    def _panels(self, act: tp.List[int], elem: int, first: tp.List[Tensor],
+    def _panels(self, act: tp.List[int], elem: int, mask: int, first: tp.List[Tensor],
                 hidden_e: tp.List[Tensor]) -> tp.Optional[tp.List[Tensor]]:
         """Panel copies of one group's hidden-layer weights for ensemble_mlp, cached.
 
@@ -406,16 +402,17 @@ class _FusedBase(AtomicContainer):
         for l in range(1, len(hidden_e) - 2, 2):  # W_2 .. W_{L-1}: (k, d_in, d_out)
             if hidden_e[l].shape[2] % 16 != 0:
                 return None
-        if len(first) == 2:
-            first.extend(_panel_pair(w1.view(w1.shape[0], k, -1).transpose(0, 1)))
         cache = self._cache()
+        if len(first) == 2:  # layer 1's panels join its entry
+            first.extend(_panel_pair(w1.view(w1.shape[0], k, -1).transpose(0, 1)))
+            cache.put(self._first_key(act, elem, mask), first, self.max_first_layer_packs)
         key = -(1 << 40) * (elem + 1) - _bitmask(act)
         later = cache.get(key)
         if later is None:
             built: tp.List[Tensor] = []
             for l in range(1, len(hidden_e) - 2, 2):
                 built.extend(_panel_pair(hidden_e[l]))
-            cache[key] = built
+            cache.put(key, built, self.max_first_layer_packs)
             later = built
         return first[2:4] + later
 
@@ -477,32 +474,25 @@ class _FusedBase(AtomicContainer):
         if hidden is None or self._stale(hidden[0]):
             cache.clear()
             hidden = self._build(act, -1, 0)
-            cache[key] = hidden
+            cache.put(key, hidden, self.max_first_layer_packs)
         return hidden
 
     def _cached_first(self, act: tp.List[int], elem: int, mask: int) -> tp.List[Tensor]:
         """[AEV columns, layer-1 weights (K, k*d1)] of ``elem`` reading the columns of ``mask``."""
         cache = self._cache()
-        # Nonnegative keys, distinct for each (members, element, element set).
-        key = ((_bitmask(act) * self.num_species + elem) << self.num_species) | mask
+        key = self._first_key(act, elem, mask)
         first = cache.get(key)
         if first is None or self._stale(first[1]):
-            # At most max_first_layer_packs layer-1 packs (keys >= 0); the other
-            # entries (hidden layers, panels) are bounded by the elements.
-            firsts = 0
-            oldest = -1
-            for k in cache.keys():  # insertion order: the first one found is the oldest
-                if k >= 0:
-                    firsts += 1
-                    if oldest < 0:
-                        oldest = k
-            if firsts >= self.max_first_layer_packs and oldest >= 0:
-                cache.pop(oldest)
-                if not torch.jit.is_scripting():
-                    self._eager_plans_clear()  # they may hold the dropped pack
+            # At most max_first_layer_packs layer-1 packs (keys >= 0; put drops
+            # the oldest); the other entries (hidden layers, panels) are bounded
+            # by the elements.
             first = self._build(act, elem, mask)
-            cache[key] = first
+            cache.put(key, first, self.max_first_layer_packs)
         return first
+
+    def _first_key(self, act: tp.List[int], elem: int, mask: int) -> int:
+        """Nonnegative keys, distinct for each (members, element, element set)."""
+        return ((_bitmask(act) * self.num_species + elem) << self.num_species) | mask
 
     def _stale(self, packed: Tensor) -> bool:
         """Packed in another dtype/device than the parameters have now, or unusable for autograd."""
@@ -529,7 +519,6 @@ class _FusedBase(AtomicContainer):
     def _eager_build(self, act: tp.List[int], elem: int, mask: int) -> tp.List[Tensor]:
         # Normal tensors even if this call runs under inference_mode, so that a
         # later call with forces can save them for backward.
-        self._refresh_params()
         with torch.inference_mode(False), torch.no_grad():
             ws = self._member_weights()
             if elem < 0:
@@ -559,31 +548,43 @@ class _FusedBase(AtomicContainer):
         cols = aev_columns(present, self.radial_sublen, self.angular_sublen, self.triu)
         return torch.tensor(cols, dtype=torch.long, device=device)
 
-    def _cache(self) -> tp.Dict[int, tp.List[Tensor]]:
+    def _cache(self) -> torch.classes.torchani_fast.PackCache:
+        """This module's ``PackCache``: the eager module's, or a scripted copy's own."""
         if torch.jit.is_scripting():
-            return self._jit_cache.dict()
-        return self._eager_cache_dict()
+            return self._script_packs
+        return self._eager_packs()
 
     @torch.jit.unused
-    def _eager_cache_dict(self) -> tp.Dict[int, tp.List[Tensor]]:
-        return self._eager_cache
+    def _eager_packs(self) -> torch.classes.torchani_fast.PackCache:
+        if self._params_replaced:  # a Linear got a new Parameter object: re-read them all
+            self._eager_clear()
+        return self._packs
+
+    def _weights_epoch(self) -> int:
+        """-1 while a parameter requires grad (training: nothing may be cached).
+        Otherwise the packs' epoch, after dropping them if a parameter changed
+        since the last check: modified in place (``load_state_dict``, ``copy_``,
+        an optimizer step; their version counters), or given new storage
+        (``p.data = t``). One C++ pass over the parameters held by the cache
+        (ANI-2x: 448 tensors)."""
+        cache = self._cache()
+        epoch = cache.check()
+        if epoch == -2:  # a new cache (a scripted copy, a loaded module): watch the parameters
+            cache.watch(self._flat_params)
+            epoch = cache.check()
+        return epoch
 
     @torch.jit.unused
-    def packed_weights(self) -> tp.List[tp.List[Tensor]]:
+    def packed_weights(self) -> tp.List[Tensor]:
         """The weight packs this eager module holds now: a caller that replays
         kernels reading them (EnergyForcesStep's CUDA graph) keeps this list, so
         that the memory stays theirs even if the module drops its cache."""
-        return list(self._eager_cache.values())
+        return self._packs.tensors()
 
     @torch.jit.unused
     def _eager_clear(self) -> None:
-        self._eager_cache = {}
-        self._eager_plans_clear()
-        self._refresh_params()
-
-    @torch.jit.unused
-    def _eager_plans_clear(self) -> None:
         self._native_plans = {}
+        self._refresh_params()  # (and the packs dropped)
 
     @torch.jit.unused
     def _refresh_params(self) -> None:
@@ -592,34 +593,10 @@ class _FusedBase(AtomicContainer):
         # (A layer without bias: its weight stands in the bias's slot, see layer_biases.)
         self._flat_params = [p for lin in linears
                              for p in (lin.weight, lin.weight if lin.bias is None else lin.bias)]
-        self._params_watch = torch.classes.torchani_fast.WeightsWatch(self._flat_params)
+        self._packs.watch(self._flat_params)  # drops the packs
         for lin in linears:
             _watch_linear(lin, self)
         self._params_replaced = False
-
-    def _check_weights(self) -> bool:
-        """Whether a parameter requires grad (training: nothing may be cached).
-        Otherwise the cache is dropped if a parameter changed since the last
-        check: modified in place (``load_state_dict``, ``copy_``, an optimizer
-        step; their version counters), or given new storage (``p.data = t``)."""
-        if torch.jit.is_scripting():
-            requires_grad, fingerprint = torch.ops.torchani_fast.weights_state(self._flat_params)
-        else:
-            requires_grad, fingerprint = self._eager_weights_state()
-        if requires_grad:
-            return True
-        if fingerprint != self._weights_fingerprint:
-            self.clear_cache()
-            self._weights_fingerprint = fingerprint
-        return False
-
-    @torch.jit.unused
-    def _eager_weights_state(self) -> tp.Tuple[bool, int]:
-        if self._params_replaced:  # a Linear got a new Parameter object: re-read them all
-            self._eager_clear()
-        # (The list held in C++: 17 us a call for 256 tensors, as the old
-        # any(requires_grad) scan; converting a Python list for the op: 43 us.)
-        return self._params_watch.state()
 
     def _member_weights(self) -> tp.List[tp.List[tp.List[Tensor]]]:
         """[member][element] -> [W1, b1, W2, b2, ...] (the live parameters)."""
@@ -648,10 +625,9 @@ class _FusedBase(AtomicContainer):
     def __getstate__(self):
         # Pickling and deepcopy carry the parameters, not the derived packs.
         state = self.__dict__.copy()
-        state["_eager_cache"] = {}
         state["_native_plans"] = {}
-        state["_jit_cache"] = None  # a C++ object, remade by __setstate__
-        state["_params_watch"] = None  # a C++ object, remade by __setstate__
+        state["_packs"] = None  # C++ objects, remade by __setstate__
+        state["_script_packs"] = None
         return state
 
     def __setstate__(self, state):
@@ -662,16 +638,19 @@ class _FusedBase(AtomicContainer):
         if "layer_biases" not in state:
             state["layer_biases"] = [[True] * n for n in state["num_layers"]]
         state.setdefault("zero_blocks_exact", False)  # (no split, J computed everywhere: exact)
-        state.setdefault("_native_plans", {})
-        state.setdefault("_weights_fingerprint", -1)
+        for old in ("_eager_cache", "_jit_cache", "_params_watch", "_weights_fingerprint"):
+            state.pop(old, None)  # (the caches of torchani_fast before 0.2)
+        state["_native_plans"] = {}
+        state["_plans_epoch"] = -1
         super().__setstate__(state)
-        self._refresh_params()  # and the C++ watch over them
-        self._jit_cache = torch.classes.torchani_fast.PackCache()
+        self._packs = torch.classes.torchani_fast.PackCache()
+        self._script_packs = torch.classes.torchani_fast.PackCache()
+        self._refresh_params()  # and the cache's watch over them
 
     def __prepare_scriptable__(self):
         # torch.jit.script calls this on every submodule: each scripted copy
-        # gets a cache of its own instead of sharing this module's.
-        self._jit_cache = torch.classes.torchani_fast.PackCache()
+        # gets a cache of its own instead of sharing another copy's.
+        self._script_packs = torch.classes.torchani_fast.PackCache()
         return self
 
     def extra_repr(self) -> str:

@@ -27,8 +27,7 @@ class _NativePlan(tp.NamedTuple):
     members and groups (``_FusedBase._native_plan``)."""
 
     op_args: OpArgs  # (columns, first, packs, panels, layers), as in the op's schema
-    watch: tp.Any  # WeightsWatch of the parameters these packs come from
-    fingerprint: int  # its state when the packs were made
+    epoch: int  # the PackCache's epoch when they were built (valid while it stays)
 
 
 # Each Linear whose parameters a fused module reads -> those modules. A

@@ -4,7 +4,8 @@
 // the ensemble, the element network (Linear -> CELU(0.1) -> ... -> Linear(1))
 // and, in the same pass, the input gradient of the members' sum,
 //   J = d(sum_members out) / d(used AEV columns)   (n_group, K_group),
-// which is all the backward of an ensemble-mean energy (forces) needs.
+// which is all the backward of an ensemble-mean energy (forces) needs
+// (ensemble_mlp_backward, ensemble/input_grad_cpu.cpp).
 //
 // One task is (group, block of up to kBlockRows atoms, slice of the members):
 // the blocks of a group are of even size. A task gathers its rows of the AEV
@@ -17,7 +18,8 @@
 // too reads W, ensemble/gemm.h, except in groups of many blocks), float64 with
 // W and W^T (ensemble/gemm_f64.h); otherwise BLAS.
 //
-// The activation (`activation`, small_gemm::Activation) is CELU(0.1) or GELU.
+// The activation (`activation`, small_gemm::Activation; ensemble/activations.h)
+// is CELU(0.1) or GELU.
 // CELU(alpha) = x for x > 0, alpha expm1(x / alpha) otherwise; its derivative
 // is kept from the forward pass. On AVX2 CPUs float32 uses common/simd_math.h's
 // exp (about 1 ulp), float64 simd_math_f64.h's (within 1 ulp); elsewhere
@@ -39,9 +41,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/workspace.h"
 #include "common/parallel.h"
 #include "common/simd_math.h"
+#include "ensemble/activations.h"
 #include "ensemble/gemm.h"
 #include "ensemble/gemm_f64.h"
 #include "ensemble/zero_chunks.h"
@@ -56,6 +58,7 @@ void at_parallel_for(int64_t begin, int64_t end, int64_t grain,
 }
 
 using namespace ensemble_detail;
+using namespace ensemble_activations;
 
 constexpr int64_t kBlockRows = 96;     // at most this many atoms per task
 constexpr int64_t kTargetTasks = 16;  // below this many blocks, members are split too
@@ -76,136 +79,6 @@ constexpr int64_t kNtMaxRows = 2;
 // faster), 1 thread 47.9-51.4 -> 47.7-49.5.
 constexpr int64_t kStoredMinBlocks = 3;
 constexpr int64_t kStoredMaxBytes = int64_t(16) << 20;
-constexpr double kAlpha = 0.1;
-
-// ---------------------------------------------------------------------------
-// CELU(0.1) in place, with its derivative.
-// ---------------------------------------------------------------------------
-
-// float32: expm1 through simd::exp_parts (exp(u) = s (1 + q), so expm1(u) =
-// (s - 1) + s q keeps its relative accuracy near 0); the scalar tail and CPUs
-// without AVX2 use std::expm1 / std::exp.
-void celu_scalar(float* z, float* d, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) {
-    const float x = z[i];
-    if (!(x <= 0.0f)) {  // x > 0 or NaN: x passes through
-      d[i] = 1.0f;
-    } else {
-      const float u = x * 10.0f;
-      d[i] = std::exp(u);
-      z[i] = static_cast<float>(kAlpha) * std::expm1(u);
-    }
-  }
-}
-
-#ifdef TF_SIMD_AVX2
-TF_AVX2 void celu_avx2(float* z, float* d, int64_t count) {
-  static_assert(kAlpha == 0.1, "simd::celu01 is CELU(0.1)");
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    __m256 deriv;
-    _mm256_storeu_ps(z + i, simd::celu01(_mm256_loadu_ps(z + i), deriv));
-    _mm256_storeu_ps(d + i, deriv);
-  }
-  celu_scalar(z + i, d + i, count - i);
-}
-#endif
-
-// (Only the layers without panels take this pass: the panel products apply
-// CELU to their accumulators, ensemble/gemm.h.)
-void celu_inplace(float* z, float* d, int64_t count) {
-#ifdef TF_SIMD_AVX2
-  if (simd::have_avx2()) {
-    celu_avx2(z, d, count);
-    return;
-  }
-#endif
-  celu_scalar(z, d, count);
-}
-
-void celu_inplace(double* z, double* d, int64_t count) {
-  // PyTorch's CELU backward: alpha * c * exp(c x), c = 1 / float32(alpha).
-  const double c = 1.0 / static_cast<double>(static_cast<float>(kAlpha));
-  int64_t i = 0;
-#ifdef TF_SIMD_AVX2
-  static_assert(kAlpha == 0.1, "simd::celu01 is CELU(0.1)");
-  if (simd::have_avx2()) i = small_gemm::celu_f64_avx2(z, d, count);
-#endif
-  for (; i < count; ++i) {
-    const double x = z[i];
-    if (!(x <= 0.0)) {
-      d[i] = 1.0;
-    } else {
-      d[i] = c * kAlpha * std::exp(x * c);
-      z[i] = kAlpha * std::expm1(x * (1.0 / kAlpha));
-    }
-  }
-}
-
-// GELU in place with its derivative. float64: PyTorch's GeluKernel /
-// GeluBackwardKernel formulas (approximate="none"), as TorchANI's float64
-// networks. The float32 scalar tail and CPUs without AVX2 evaluate in double,
-// Phi as erfc(-x / sqrt 2) / 2 (1 + erf cancels below x = -8, where float32
-// still has GELU(x)).
-void gelu_scalar(float* z, float* d, int64_t count) {
-  constexpr double kAlphaG = M_SQRT1_2, kBeta = M_2_SQRTPI * M_SQRT1_2 * 0.5;
-  for (int64_t i = 0; i < count; ++i) {
-    const double x = z[i];
-    const double cdf = 0.5 * std::erfc(-x * kAlphaG);
-    d[i] = static_cast<float>(cdf + x * kBeta * std::exp(x * x * -0.5));
-    z[i] = static_cast<float>(x * cdf);
-  }
-}
-
-void gelu_inplace(double* z, double* d, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) z[i] = small_gemm::gelu_f64(z[i], d[i]);
-}
-
-#ifdef TF_SIMD_AVX2
-TF_AVX2 void gelu_avx2(float* z, float* d, int64_t count) {
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    __m256 deriv;
-    _mm256_storeu_ps(z + i, simd::gelu(_mm256_loadu_ps(z + i), deriv));
-    _mm256_storeu_ps(d + i, deriv);
-  }
-  gelu_scalar(z + i, d + i, count - i);
-}
-#endif
-
-void gelu_inplace(float* z, float* d, int64_t count) {
-#ifdef TF_SIMD_AVX2
-  if (simd::have_avx2()) {
-    gelu_avx2(z, d, count);
-    return;
-  }
-#endif
-  gelu_scalar(z, d, count);
-}
-
-#ifdef TF_SIMD_AVX2
-// erf in place over the whole vectors of p[0 .. n); returns where the tail starts.
-TF_AVX2 int64_t erf_avx2(float* p, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, simd::erf(_mm256_loadu_ps(p + i)));
-  return i;
-}
-
-TF_AVX512 int64_t erf_avx512(float* p, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(p + i, simd::erf(_mm512_loadu_ps(p + i)));
-  return i;
-}
-#endif
-
-template <typename T>
-void activation_inplace(int64_t act, T* z, T* d, int64_t count) {
-  if (act == small_gemm::kGelu) {
-    gelu_inplace(z, d, count);
-  } else {
-    celu_inplace(z, d, count);
-  }
-}
 
 // ---------------------------------------------------------------------------
 // The networks of one group, all members.
@@ -664,120 +537,6 @@ at::Tensor ensemble_energies_cpu(const at::Tensor& aev, const at::Tensor& atoms,
                                                          panels, layers, members, false,
                                                          zero_blocks_exact, activation));
   return energies_from_values(values, molecules, divisor);
-}
-
-std::tuple<at::Tensor, at::Tensor> simd_activation_cpu(const at::Tensor& x, int64_t activation) {
-  TORCH_CHECK(activation == small_gemm::kCelu01 || activation == small_gemm::kGelu,
-              "simd_activation: activation = ", activation, " must be 0 (CELU(0.1)) or 1 (GELU)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
-              "simd_activation: x must be float32 or float64, got ", x.scalar_type());
-  at::Tensor values = x.contiguous().clone();
-  at::Tensor deriv = at::empty_like(values);
-  AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "simd_activation", [&] {
-    const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);  // as in the kernels
-    activation_inplace(activation, values.data_ptr<scalar_t>(), deriv.data_ptr<scalar_t>(),
-                       values.numel());
-  });
-  return {values, deriv};
-}
-
-at::Tensor simd_erf_cpu(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "simd_erf: x must be float32, got ", x.scalar_type());
-  at::Tensor out = x.contiguous().clone();
-  float* p = out.data_ptr<float>();
-  const int64_t n = out.numel();
-  int64_t i = 0;
-#ifdef TF_SIMD_AVX2
-  if (simd::have_avx512()) {
-    i = erf_avx512(p, n);
-  } else if (simd::have_avx2()) {
-    i = erf_avx2(p, n);
-  }
-#endif
-  for (; i < n; ++i) p[i] = std::erf(p[i]);
-  return out;
-}
-
-at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,
-                                     at::IntArrayRef sizes, at::TensorList columns,
-                                     const at::Tensor& jacobian, int64_t features) {
-  TORCH_CHECK(grad_values.dim() == 2,
-              "ensemble_mlp_backward: grad_values must be (members, atoms), got ", grad_values.sizes());
-  TORCH_CHECK(grad_values.scalar_type() == jacobian.scalar_type(),
-              "ensemble_mlp_backward: grad_values and jacobian differ in dtype");
-  TORCH_CHECK(atoms.dim() == 1 && atoms.scalar_type() == at::kLong && columns.size() == sizes.size(),
-              "ensemble_mlp_backward: atoms must be 1-D int64 and columns have one entry per group");
-  int64_t expected = 0, rows = 0;
-  for (size_t g = 0; g < sizes.size(); ++g) {
-    expected += sizes[g] * columns[g].numel();
-    rows += sizes[g];
-  }
-  TORCH_CHECK(rows == atoms.numel(), "ensemble_mlp_backward: sizes add up to ", rows,
-              " but atoms has ", atoms.numel(), " entries");
-  TORCH_CHECK(jacobian.dim() == 1 && jacobian.numel() == expected && jacobian.is_contiguous(),
-              "ensemble_mlp_backward: jacobian must be flat with ", expected, " entries");
-  const int64_t num_atoms = grad_values.size(1);
-  const at::Tensor grad = grad_values.contiguous();
-  const at::Tensor idx = atoms.contiguous();
-  TORCH_CHECK(in_range(idx, num_atoms), "ensemble_mlp_backward: atoms must be distinct columns "
-              "of grad_values (in [0, ", num_atoms, "))");
-  const int64_t* at_ptr = idx.data_ptr<int64_t>();
-  // Per atom: its group and its entry in the group (-1: in no group, a zero
-  // row); an atom met twice is refused.
-  std::vector<int64_t> group_of(num_atoms, -1), entry_of(num_atoms, -1);
-  for (int64_t g = 0, row = 0; g < static_cast<int64_t>(sizes.size()); row += sizes[g], ++g) {
-    for (int64_t r = 0; r < sizes[g]; ++r) {
-      const int64_t a = at_ptr[row + r];
-      TORCH_CHECK(group_of[a] < 0, "ensemble_mlp_backward: atoms must be distinct columns of "
-                  "grad_values (in [0, ", num_atoms, ")), atom ", a, " repeats");
-      group_of[a] = g;
-      entry_of[a] = r;
-    }
-  }
-  at::Tensor out;
-  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "ensemble_mlp_backward", [&] {
-    const scalar_t* gv = grad.data_ptr<scalar_t>();
-    const int64_t n = idx.numel();
-    for (int64_t m = 1; m < grad.size(0); ++m) {
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t a = at_ptr[i];
-        if (!(gv[m * num_atoms + a] == gv[a])) return;  // members differ: out stays undefined
-      }
-    }
-    // Every row is written in one pass: zeros, then the atom's used columns,
-    // while the row is in cache; the memory from the caller's workspace, if
-    // any (common/workspace.h).
-    out = output_empty(Workspace::kAevGrad, {num_atoms, features}, grad.options());
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const scalar_t* jac = jacobian.data_ptr<scalar_t>();
-    std::vector<const int64_t*> cols(sizes.size());
-    std::vector<int64_t> width(sizes.size());
-    std::vector<at::Tensor> keep(sizes.size());
-    for (size_t g = 0; g < sizes.size(); ++g) {
-      keep[g] = columns[g].contiguous();
-      TORCH_CHECK(in_range(keep[g], features), "ensemble_mlp_backward: columns[", g,
-                  "] must be in [0, ", features, ")");
-      cols[g] = keep[g].data_ptr<int64_t>();
-      width[g] = keep[g].numel();
-    }
-    std::vector<int64_t> jac_begin(sizes.size());
-    for (int64_t g = 0, off = 0; g < static_cast<int64_t>(sizes.size()); off += sizes[g] * width[g], ++g)
-      jac_begin[g] = off;
-    torchani_fast::parallel_for(0, num_atoms, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t a = begin; a < end; ++a) {
-        scalar_t* dst = o + a * features;
-        std::fill(dst, dst + features, scalar_t(0));
-        const int64_t g = group_of[a];
-        if (g < 0) continue;
-        const scalar_t s = gv[a];
-        const int64_t k = width[g];
-        const scalar_t* j = jac + jac_begin[g] + entry_of[a] * k;
-        const int64_t* c = cols[g];
-        for (int64_t q = 0; q < k; ++q) dst[c[q]] = s * j[q];
-      }
-    });
-  });
-  return out.defined() ? out : at::empty({0}, grad_values.options());
 }
 
 }  // namespace torchani_fast

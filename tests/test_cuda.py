@@ -540,25 +540,27 @@ def assert_forces_equal_to_rounding(f, f_ref):
 
 
 def _aev_energy_step(max_pairs, dtype, name="water192"):
-    """A sync-free energy + forces step: padded neighbour list, AEV, linear head."""
+    """A sync-free energy + forces step: padded neighbour list, AEV, linear head.
+    ``step(x)`` returns the energy, the forces and the pair count (a tensor)."""
     model = random_model()
-    nl = NeighborList("cell_list", max_pairs=max_pairs)
+    nl = NeighborList("cell_list")
     aevc = AEVComputer.from_torchani(model.aev_computer, nl).to("cuda", dtype)
     species, coords, cell, pbc = to(SYSTEMS[name], "cuda", dtype)
     head = torch.nn.Linear(aevc.out_dim, 1).to("cuda", dtype)
 
     def step(x):
-        e = head(aevc(species, x, cell, pbc)).sum()
+        neighbors, count = nl.padded(float(aevc.radial.cutoff), species, x, cell, pbc, max_pairs)
+        e = head(aevc.compute_from_neighbors(species, x, neighbors)).sum()
         (g,) = torch.autograd.grad(e, x)
-        return e.detach(), -g
+        return e.detach(), -g, count
 
-    return step, coords, nl
+    return step, coords
 
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_graph_capture(dtype):
-    step, coords, nl = _aev_energy_step(max_pairs=20000, dtype=dtype)
+    step, coords = _aev_energy_step(max_pairs=20000, dtype=dtype)
     static_x = coords.clone().requires_grad_(True)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -568,17 +570,18 @@ def test_cuda_graph_capture(dtype):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        e_static, f_static = step(static_x)
+        e_static, f_static, count = step(static_x)
     g = torch.Generator(device="cuda").manual_seed(5)
     for _ in range(3):
         new = coords + 0.05 * torch.randn(coords.shape, device="cuda", dtype=dtype, generator=g)
         with torch.no_grad():
             static_x.copy_(new)
         graph.replay()
-        e_eager, f_eager = step(new.clone().requires_grad_(True))
+        replayed = int(count)  # the count of the replay, read back explicitly
+        e_eager, f_eager, eager_count = step(new.clone().requires_grad_(True))
         torch.testing.assert_close(e_static, e_eager, rtol=0, atol=0)
         assert_forces_equal_to_rounding(f_static, f_eager)
-        assert 0 < nl.check_capacity() <= 20000  # the count of the replay, read back explicitly
+        assert 0 < replayed == ops.check_num_pairs(eager_count, 20000) <= 20000
 
 
 @requires_cuda
@@ -622,10 +625,10 @@ def test_energy_forces_step_in_cuda_graph(name, dtype):
 
 @requires_cuda
 def test_cuda_graph_overflow_is_reported():
-    step, coords, nl = _aev_energy_step(max_pairs=100, dtype=torch.float32)
-    step(coords.clone().requires_grad_(True))
+    step, coords = _aev_energy_step(max_pairs=100, dtype=torch.float32)
+    count = step(coords.clone().requires_grad_(True))[2]
     with pytest.raises(RuntimeError, match="do not fit in max_pairs=100"):
-        nl.check_capacity()
+        ops.check_num_pairs(count, 100)
 
 
 @requires_cuda

@@ -622,3 +622,39 @@ def test_periodic_padded_batch_energies(models):
         torch.testing.assert_close(e[m:m + 1], e0, rtol=1e-10, atol=0)
         torch.testing.assert_close(f[m][real][None], f0, rtol=0, atol=1e-9)
         assert not f[m][~real].any()
+
+
+@pytest.mark.parametrize("strategy", ["all_pairs", "cell_list"])
+def test_padded_search_returns_its_count_and_keeps_nothing(strategy):
+    """NeighborList.padded: the exact list's pairs in max_pairs slots (the rest
+    -1), and the pair count as a tensor, which check_num_pairs reads (an
+    overflow raises there, naming the count). The module keeps no state from a
+    call (no buffer, no attribute), eager or scripted; the infinite cutoff of
+    UnboundedNeighborList gives every pair of a molecule here too."""
+    from torchani_fast.potentials import UnboundedNeighborList
+
+    species, coords, cell, pbc = atoms_to_tensors(read_molecule("water-0.8nm.xyz"), torch.float64)
+    nl = NeighborList(strategy)
+    before = (dict(nl.named_buffers()), dict(vars(nl)))
+    exact = nl(CUTOFF, species.clamp(max=0), coords, cell, pbc)
+    n = exact.indices.shape[1]
+    for module in (nl, "scripted"):
+        if module == "scripted":
+            assert (dict(nl.named_buffers()), dict(vars(nl))) == before  # the eager calls kept nothing
+            module = torch.jit.script(nl)
+        neighbors, count = module.padded(CUTOFF, species.clamp(max=0), coords, cell, pbc, n + 7)
+        assert ops.check_num_pairs(count, n + 7) == n
+        got = neighbors.indices
+        assert got.shape == (2, n + 7) and bool((got[:, n:] == -1).all())
+        assert sorted(map(tuple, got[:, :n].t().tolist())) == sorted(map(tuple, exact.indices.t().tolist()))
+        torch.testing.assert_close(neighbors.distances[:n].sort().values, exact.distances.sort().values,
+                                   rtol=0, atol=1e-12)
+        _, small = module.padded(CUTOFF, species.clamp(max=0), coords, cell, pbc, n - 1)
+        with pytest.raises(RuntimeError, match=f"{n} pairs do not fit in max_pairs={n - 1}"):
+            ops.check_num_pairs(small, n - 1)
+        with pytest.raises((ValueError, torch.jit.Error), match="max_pairs must be > 0, got 0"):
+            module.padded(CUTOFF, species, coords, cell, pbc, 0)
+    molecule = coords[:, :9]
+    everything, count = UnboundedNeighborList(strategy).padded(
+        float("inf"), species[:, :9].clamp(max=0), molecule, None, None, 64)
+    assert ops.check_num_pairs(count, 64) == 9 * 8 // 2

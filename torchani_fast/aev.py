@@ -40,44 +40,23 @@ class NeighborList(torch.nn.Module):
     ----------
     strategy : {"auto", "all_pairs", "cell_list"}
         "auto" bins atoms (O(N)) from ``CELL_LIST_MIN_ATOMS`` atoms per molecule on.
-    max_pairs : int
-        0 (default): the exact list, whose length depends on the data (on CUDA
-        that costs one host sync per call, to learn the length). > 0: a
-        fixed-capacity list padded with ``-1`` (``ops.neighbor_pairs_padded``),
-        with no host sync, so a whole energy + forces step can be captured in
-        a CUDA graph. An overflow is then not raised: call
-        :meth:`check_capacity` (a sync) every so often, as an MD code checks
-        its Verlet list.
+
+    The exact list's length depends on the data (on CUDA that costs one host
+    sync per call, to learn it). :meth:`padded` is the fixed-capacity search
+    with no host sync, for loops that capture a step in a CUDA graph
+    (:class:`~torchani_fast.EnergyForcesStep`): it also returns the pair count,
+    which the caller checks (``ops.check_num_pairs``, a sync) every so often,
+    as an MD code checks its Verlet list.
     """
 
     strategy: str
     cell_list_min_atoms: Final[int]
-    max_pairs: int
 
-    def __init__(self, strategy: str = "auto", max_pairs: int = 0):
+    def __init__(self, strategy: str = "auto"):
         super().__init__()
         self.strategy = "auto"
         self.cell_list_min_atoms = CELL_LIST_MIN_ATOMS
         self.set_strategy(strategy)
-        self.max_pairs = 0
-        self.set_max_pairs(max_pairs)
-        # Pair count of the last fixed-capacity search (-1: none yet). It is the
-        # op's output tensor, so after a CUDA graph replay it holds the replay's count.
-        self.register_buffer("num_pairs", torch.full((), -1, dtype=torch.long), persistent=False)
-
-    @torch.jit.export
-    def set_max_pairs(self, max_pairs: int) -> None:
-        if max_pairs < 0:
-            raise ValueError("max_pairs must be >= 0 (0: exact list), got " + str(max_pairs))
-        self.max_pairs = max_pairs
-
-    @torch.jit.export
-    def check_capacity(self) -> int:
-        """Number of pairs found by the last fixed-capacity search; raises if it
-        overflowed ``max_pairs`` or met invalid input. Synchronises the stream."""
-        if self.max_pairs == 0:
-            return -1
-        return ops.check_num_pairs(self.num_pairs, self.max_pairs)
 
     @torch.jit.export
     def set_strategy(self, strategy: str) -> None:
@@ -96,22 +75,53 @@ class NeighborList(torch.nn.Module):
         cell: tp.Optional[Tensor] = None,
         pbc: tp.Optional[Tensor] = None,
     ) -> Neighbors:
-        return self._search(cutoff, elem_idxs, coords, cell, pbc)
+        return self._search(self._search_cutoff(cutoff, elem_idxs, coords, pbc), elem_idxs,
+                            coords, cell, pbc, 0)[0]
+
+    @torch.jit.export
+    def padded(
+        self,
+        cutoff: float,
+        elem_idxs: Tensor,
+        coords: Tensor,
+        cell: tp.Optional[Tensor],
+        pbc: tp.Optional[Tensor],
+        max_pairs: int,
+    ) -> tp.Tuple[Neighbors, Tensor]:
+        """The neighbours in a list of ``max_pairs`` slots, and the pair count.
+
+        Unused slots hold the pair (-1, -1) (their vectors read atom 0; the AEV
+        op skips them). The count is a tensor (no host sync): more than
+        ``max_pairs`` means pairs were dropped, and -1 / -2 / -3 mean non-finite
+        coordinates / a singular cell / a cell too small for the cutoff; read it
+        with ``ops.check_num_pairs(count, max_pairs)``, which raises for these.
+        """
+        if max_pairs <= 0:
+            raise ValueError("max_pairs must be > 0, got " + str(max_pairs))
+        neighbors, count = self._search(self._search_cutoff(cutoff, elem_idxs, coords, pbc),
+                                        elem_idxs, coords, cell, pbc, max_pairs)
+        assert count is not None
+        return neighbors, count
+
+    def _search_cutoff(self, cutoff: float, elem_idxs: Tensor, coords: Tensor,
+                       pbc: tp.Optional[Tensor]) -> float:
+        """The cutoff the search runs at (subclasses may map one they take)."""
+        return cutoff
 
     def _search(self, cutoff: float, elem_idxs: Tensor, coords: Tensor,
-                cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor]) -> Neighbors:
-        # (Subclasses call this: TorchScript has no super().)
-        # The sync-free mode reads no data here either (see check_capacity).
-        check_periodic_work(elem_idxs, coords, cell, pbc, cutoff, values=self.max_pairs == 0)
+                cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor],
+                max_pairs: int) -> tp.Tuple[Neighbors, tp.Optional[Tensor]]:
+        # The sync-free search (max_pairs > 0) reads no data here either.
+        check_periodic_work(elem_idxs, coords, cell, pbc, cutoff, values=max_pairs == 0)
         use_cells = self.strategy == "cell_list" or (
             self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
         )
-        if self.max_pairs > 0:
-            pairs, images, num_pairs = ops.neighbor_pairs_padded(
+        count: tp.Optional[Tensor] = None
+        if max_pairs > 0:
+            pairs, images, count = ops.neighbor_pairs_padded(
                 elem_idxs, coords.detach(), None if cell is None else cell.detach(), pbc,
-                cutoff, use_cells, self.max_pairs,
+                cutoff, use_cells, max_pairs,
             )
-            self.num_pairs = num_pairs
             # Unused slots (-1) read atom 0; the AEV op skips them by their index.
             safe = pairs.clamp(min=0)
         else:
@@ -122,7 +132,7 @@ class NeighborList(torch.nn.Module):
             safe = pairs
         diff, distances = ops.pair_vectors(coords.view(-1, 3), safe,
                                            None if cell is None else images, cell)
-        return Neighbors(pairs, distances, diff)
+        return Neighbors(pairs, distances, diff), count
 
 
 class AEVComputer(torch.nn.Module):

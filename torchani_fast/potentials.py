@@ -221,14 +221,8 @@ class UnboundedNeighborList(NeighborList):
     cutoff just longer than the molecule's diameter, which gives every pair.
     """
 
-    def forward(
-        self,
-        cutoff: float,
-        elem_idxs: Tensor,
-        coords: Tensor,
-        cell: tp.Optional[Tensor] = None,
-        pbc: tp.Optional[Tensor] = None,
-    ) -> Neighbors:
+    def _search_cutoff(self, cutoff: float, elem_idxs: Tensor, coords: Tensor,
+                       pbc: tp.Optional[Tensor]) -> float:
         if cutoff == float("inf"):
             if pbc is not None and bool(pbc.any()):
                 axes: tp.List[bool] = pbc.tolist()
@@ -243,7 +237,7 @@ class UnboundedNeighborList(NeighborList):
                 cutoff = float((hi - lo).norm()) * 1.001 + 1.0
             else:
                 cutoff = 1.0
-        return self._search(cutoff, elem_idxs, coords, cell, pbc)
+        return cutoff
 
 
 def d3_unsupported_reason(pot: TwoBodyDispersionD3) -> tp.Optional[str]:

@@ -35,6 +35,7 @@ import typing as tp
 import torch
 from torch import Tensor
 
+from . import ops
 from .aev import AEVComputer, NeighborList
 from .nn import FusedEnsemble, FusedNetworks
 from .evaluate import Workspace, forces_of, require_tensors
@@ -120,7 +121,13 @@ class EnergyForcesStep:
                 else coords.new_zeros(coords.shape[0])
         if max_pairs is None:
             max_pairs = int(1.3 * num_pairs) + 64
-        self.neighborlist = search(model.neighborlist.strategy, max_pairs=max_pairs).to(coords.device)
+        if max_pairs <= 0:
+            raise ValueError(f"max_pairs must be > 0, got {max_pairs}")
+        self.max_pairs = max_pairs
+        self.neighborlist = search(model.neighborlist.strategy).to(coords.device)
+        # The pair count of the last call (a tensor written by the search; after a
+        # CUDA graph replay, the replay's): read by check().
+        self.num_pairs = torch.full((), -1, dtype=torch.long, device=coords.device)
         self.potentials = list(extra.values())
         self.aev_computer = AEVComputer(nnp.aev_computer.radial, nnp.aev_computer.angular,
                                         nnp.aev_computer.num_species, nnp.aev_computer.triu_index,
@@ -143,13 +150,10 @@ class EnergyForcesStep:
         use_graph = coords.device.type == "cuda" if cuda_graph is None else cuda_graph
         self._warm_up(coords, use_graph and coords.device.type == "cuda")
 
-    @property
-    def max_pairs(self) -> int:
-        return self.neighborlist.max_pairs
-
     def _eager(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
         with self._workspace:  # the AEV and its gradient reuse the last call's memory (CPU)
-            neighbors = self.neighborlist(self.cutoff, self.elem, x, self.cell, self.pbc)
+            neighbors, self.num_pairs = self.neighborlist.padded(self.cutoff, self.elem, x, self.cell,
+                                                                 self.pbc, self.max_pairs)
             aev = self.aev_computer.compute_from_neighbors(self.elem, x, neighbors)
             energies = self.networks.energies_fixed(self.elem, aev, self.groups) + self.shift
             for pot in self.potentials:
@@ -181,7 +185,7 @@ class EnergyForcesStep:
         """Number of neighbour pairs of the last call; raises if the list overflowed
         ``max_pairs`` or the coordinates were not finite (synchronises)."""
         with self._lock:
-            return self.neighborlist.check_capacity()
+            return ops.check_num_pairs(self.num_pairs, self.max_pairs)
 
     def __call__(self, coords: Tensor) -> tp.Tuple[Tensor, Tensor]:
         require_tensors(coords=coords)
@@ -202,5 +206,5 @@ class EnergyForcesStep:
                 energies, forces = self._eager(coords.detach().requires_grad_(True))
             self.calls += 1
             if self.check_every and self.calls % self.check_every == 0:
-                self.neighborlist.check_capacity()
+                ops.check_num_pairs(self.num_pairs, self.max_pairs)
         return energies, forces

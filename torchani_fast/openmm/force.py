@@ -243,11 +243,11 @@ class ANIComputation:
         else:
             self._x.copy_(torch.from_numpy(pos * 10.0).unsqueeze(0))
         energies, forces = self._step(self._x)
-        num_pairs = int(self._step.neighborlist.num_pairs)
+        num_pairs = int(self._step.num_pairs)
         if num_pairs > self._step.max_pairs:  # a denser configuration: more room, same call
             self._build(max_pairs=int(1.3 * num_pairs) + 64)
             energies, forces = self._step(self._x)
-            num_pairs = int(self._step.neighborlist.num_pairs)
+            num_pairs = int(self._step.num_pairs)
         if num_pairs < 0 or num_pairs > self._step.max_pairs:
             self._step.check()  # raises, naming the problem (non-finite positions, a singular box)
         self.calls += 1

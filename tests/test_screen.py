@@ -25,6 +25,7 @@ distributed = pytest.importorskip("distributed")
 from torchani_fast import cli, screen as screen_fn  # noqa: E402
 
 screen_module = sys.modules["torchani_fast.screen"]
+files_module = sys.modules["torchani_fast._screen_files"]  # OUTPUT.partial and the final file
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = Path(os.environ.get("TORCHANI_DATA_DIR", "~/.local/share/Torchani")).expanduser() / "StateDicts"
@@ -337,8 +338,8 @@ def test_final_file_from_kept_records_or_from_the_partial_file(cluster, mixed, t
     """The final file is the same whether its records were kept in memory, read back
     from OUTPUT.partial, or some of each."""
     texts = []
-    for keep in (screen_module._KEEP_BYTES, 0, 3000):
-        monkeypatch.setattr(screen_module, "_KEEP_BYTES", keep)
+    for keep in (files_module._KEEP_BYTES, 0, 3000):
+        monkeypatch.setattr(files_module, "_KEEP_BYTES", keep)
         out = tmp_path / f"keep{keep}.json"
         screen_fn([mixed], client=cluster, dtype="float64", device="cpu", forces=True,
                   batch_size=4, task_atoms=0, output=out, return_results=False)
@@ -389,7 +390,7 @@ def test_energy_file_is_json_dumps(indent, forces):
     recs[4] = {"error": "a.xyz, frame 2: no element Xx"}
     recs[7]["energy"] = float("nan")
     out = io.StringIO()
-    screen_module._write_energy(out, items, recs.__getitem__, {"forces": forces, "hessians": False},
+    files_module._write_energy(out, items, recs.__getitem__, {"forces": forces, "hessians": False},
                                 indent)
     expected = {"energies": [r.get("energy") for r in recs]}
     if forces:
@@ -406,7 +407,7 @@ def test_energy_file_is_json_dumps(indent, forces):
 def test_dumps_is_json_dumps(value, indent, level):
     """The energy file's encoder writes what json.dumps(indent=...) writes, NaN and all."""
     expected = json.dumps(value, indent=indent).replace("\n", "\n" + " " * (indent * level))
-    assert screen_module._dumps(value, indent, level) == expected
+    assert files_module._dumps(value, indent, level) == expected
 
 
 @pytest.mark.time_limit(120)

@@ -93,3 +93,32 @@ def test_step_argument_errors():
         step(coords[:, :10])
     with pytest.raises(ValueError, match="float64"):
         step(coords.float())
+
+
+def test_step_and_calculator_reuse_their_memory_for_large_systems():
+    """EnergyForcesStep and the ASE calculator own a Workspace: from the second
+    call on, the AEV and its gradient reuse the first call's memory (two blocks
+    held between calls). For a system whose AEV is below the workspace's 1 MB
+    they skip it (it would do nothing). Results equal the model's."""
+    import ase
+
+    from torchani_fast.evaluate import WORKSPACE_MIN_BYTES
+    from torchani_fast.testing import water_box
+
+    ref, fast = model_pair("ANI2x", torch.float64)
+    species, coords, cell, pbc = water_box(200)  # 600 atoms: a 4.8 MB AEV in float64
+    aev_bytes = species.numel() * fast.aev_computer.out_dim * 8
+    assert aev_bytes > WORKSPACE_MIN_BYTES
+    step = EnergyForcesStep(fast, species, coords, cell, pbc)
+    for k in range(2):
+        x = coords + 0.01 * k * torch.sin(torch.arange(coords.numel(), dtype=torch.float64)).view_as(coords)
+        assert_matches(step(x), energy_forces(ref, species, x, cell, pbc), torch.float64)
+    assert step._workspace.nbytes == 2 * aev_bytes
+    small = EnergyForcesStep(fast, *atoms_to_tensors(read_molecule("2iuz_ligand.xyz"), torch.float64))
+    assert small._workspace is None
+    calc = fast.ase()
+    atoms = ase.Atoms(species[0].numpy(), positions=coords[0].numpy(), cell=cell.numpy(), pbc=True)
+    atoms.calc = calc
+    e = atoms.get_potential_energy()
+    assert calc._workspace.nbytes == 2 * aev_bytes
+    assert abs(e / ase.units.Hartree - float(energy_forces(ref, species, coords, cell, pbc)[0])) < 1e-8

@@ -17,6 +17,10 @@ __all__ = ["EnergiesForces", "EnergiesForcesHessians", "Workspace", "energies_fo
            "energies_forces_hessians", "model_float", "require_tensors", "forces_of"]
 
 
+# Outputs smaller than this never come from a workspace (csrc/common/workspace.h).
+WORKSPACE_MIN_BYTES = 1 << 20
+
+
 class Workspace:
     """Memory for the CPU ops' large outputs, reused by the calls made inside ``with workspace:``.
 
@@ -29,6 +33,10 @@ class Workspace:
     8 232 waters: 12% of an energy + forces call). Outside any workspace the
     ops allocate and keep nothing between calls. Blocks may nest; the memory is
     freed with the object. (csrc/common/workspace.h)
+
+    Entering and leaving cost ~8 us: callers skip it when the AEV is below
+    :data:`WORKSPACE_MIN_BYTES` (``atoms * features * itemsize``), where it
+    would do nothing.
     """
 
     def __init__(self) -> None:

@@ -38,7 +38,7 @@ from torch import Tensor
 from . import ops
 from .aev import AEVComputer, NeighborList
 from .nn import FusedEnsemble, FusedNetworks
-from .evaluate import Workspace, forces_of, require_tensors
+from .evaluate import WORKSPACE_MIN_BYTES, Workspace, forces_of, require_tensors
 from .patch import is_patched, kept_parts, nnp_of
 from .potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList
 from .validation import check_periodic_work
@@ -146,19 +146,25 @@ class EnergyForcesStep:
         # The pair count, the static graph buffers and ``calls`` are shared by
         # every caller of this object: one call at a time (see the module doc).
         self._lock = threading.Lock()
-        self._workspace = Workspace()
+        aev_bytes = coords.shape[0] * coords.shape[1] * self.aev_computer.out_dim * coords.element_size()
+        self._workspace = Workspace() if aev_bytes >= WORKSPACE_MIN_BYTES else None
         use_graph = coords.device.type == "cuda" if cuda_graph is None else cuda_graph
         self._warm_up(coords, use_graph and coords.device.type == "cuda")
 
     def _eager(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
+        if self._workspace is None:
+            return self._evaluate(x)
         with self._workspace:  # the AEV and its gradient reuse the last call's memory (CPU)
-            neighbors, self.num_pairs = self.neighborlist.padded(self.cutoff, self.elem, x, self.cell,
-                                                                 self.pbc, self.max_pairs)
-            aev = self.aev_computer.compute_from_neighbors(self.elem, x, neighbors)
-            energies = self.networks.energies_fixed(self.elem, aev, self.groups) + self.shift
-            for pot in self.potentials:
-                energies = energies + pot.compute_from_neighbors(self.elem, x, neighbors).energies
-            return energies.detach(), forces_of(energies, x)
+            return self._evaluate(x)
+
+    def _evaluate(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
+        neighbors, self.num_pairs = self.neighborlist.padded(self.cutoff, self.elem, x, self.cell,
+                                                             self.pbc, self.max_pairs)
+        aev = self.aev_computer.compute_from_neighbors(self.elem, x, neighbors)
+        energies = self.networks.energies_fixed(self.elem, aev, self.groups) + self.shift
+        for pot in self.potentials:
+            energies = energies + pot.compute_from_neighbors(self.elem, x, neighbors).energies
+        return energies.detach(), forces_of(energies, x)
 
     def _warm_up(self, coords: Tensor, capture: bool) -> None:
         self._static_x = coords.detach().clone().requires_grad_(True)

@@ -45,6 +45,7 @@ def load(verbose=False):
         if path.suffix == ".cu":
             sources.append(str(dst))
     sources += [str(CSRC / "aev" / "aev_cpu.cpp"), str(CSRC / "aev" / "vector_cpu.cpp"),
+                str(CSRC / "aev" / "vector_f64_cpu.cpp"),
                 str(CSRC / "neighbors" / "neighbors_cpu.cpp"), str(CSRC / "common" / "parallel.cpp"),
                 str(CSRC / "common" / "workspace.cpp"), str(HERE / "emu_registration.cpp")]
     flags = ["-O1", "-std=c++20", "-fopenmp", "-DTORCHANI_FAST_CUDA",

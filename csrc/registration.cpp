@@ -20,6 +20,7 @@ TORCH_LIBRARY(torchani_fast, m) {
       .def(torch::init<>())
       .def("watch", &PackCache::watch)
       .def("check", &PackCache::check)
+      .def("epoch", &PackCache::epoch)
       .def("get", &PackCache::get)
       .def("put", &PackCache::put)
       .def("clear", &PackCache::clear)
@@ -33,7 +34,8 @@ TORCH_LIBRARY(torchani_fast, m) {
       .def(torch::init<>())
       .def("enter", &Workspace::enter)
       .def("exit", &Workspace::exit)
-      .def("nbytes", &Workspace::nbytes);
+      .def("nbytes", &Workspace::nbytes)
+      .def_static("min_bytes", &Workspace::min_bytes);
   for (const char* schema :
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevWithEdges, kAevBackwardEdges, kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,

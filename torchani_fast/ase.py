@@ -20,6 +20,7 @@ goes through :func:`torchani_fast.validation.check_periodic_work`: ``pbc=True``
 with ASE's default zero cell, a singular cell and cells that would make the
 neighbour search unbounded (a cell in nm) raise ``ValueError``.
 """
+import contextlib
 import threading
 import typing as tp
 import warnings
@@ -34,7 +35,7 @@ from ase.calculators.calculator import Calculator as _AseCalculator
 from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from .evaluate import WORKSPACE_MIN_BYTES, Workspace, model_float
+from .evaluate import Workspace, model_float
 from .validation import check_elements, check_periodic_work
 
 __all__ = ["Calculator", "periodic_cell"]
@@ -166,8 +167,7 @@ class Calculator(_AseCalculator):
         self._volume = 0.0
         self._eye = torch.eye(3, dtype=self._dtype, device=self._device)
         self._workspace = Workspace()  # the CPU ops' outputs reuse the last call's memory
-        features = getattr(getattr(model, "aev_computer", None), "out_dim", 0)
-        self._aev_row_bytes = int(features) * torch.finfo(self._dtype).bits // 8
+        self._aev_features = int(getattr(getattr(model, "aev_computer", None), "out_dim", 0))
 
     @property
     def device(self) -> torch.device:
@@ -257,12 +257,9 @@ class Calculator(_AseCalculator):
             self.atoms.set_positions(wrapped)
             if atoms is not None:  # keep the caller's Atoms equal to the cached copy
                 atoms.set_positions(wrapped)
-        with torch.enable_grad():
-            if coords.shape[1] * self._aev_row_bytes >= WORKSPACE_MIN_BYTES:
-                with self._workspace:
-                    energy, forces, virial = self._evaluate(species, elem_idxs, coords, cell, pbc)
-            else:  # too small to reuse memory (evaluate.Workspace)
-                energy, forces, virial = self._evaluate(species, elem_idxs, coords, cell, pbc)
+        reuse = Workspace.reuses(coords.shape[1], self._aev_features, self._dtype)
+        with torch.enable_grad(), self._workspace if reuse else contextlib.nullcontext():
+            energy, forces, virial = self._evaluate(species, elem_idxs, coords, cell, pbc)
         self.evaluations += 1
 
         n = coords.shape[1]

@@ -17,8 +17,9 @@ __all__ = ["EnergiesForces", "EnergiesForcesHessians", "Workspace", "energies_fo
            "energies_forces_hessians", "model_float", "require_tensors", "forces_of"]
 
 
-# Outputs smaller than this never come from a workspace (csrc/common/workspace.h).
-WORKSPACE_MIN_BYTES = 1 << 20
+# Outputs smaller than this never come from a workspace (csrc/common/workspace.h;
+# the package's __init__ loads the ops before this module).
+WORKSPACE_MIN_BYTES: int = torch.classes.torchani_fast.Workspace.min_bytes()
 
 
 class Workspace:
@@ -34,13 +35,18 @@ class Workspace:
     ops allocate and keep nothing between calls. Blocks may nest; the memory is
     freed with the object. (csrc/common/workspace.h)
 
-    Entering and leaving cost ~8 us: callers skip it when the AEV is below
-    :data:`WORKSPACE_MIN_BYTES` (``atoms * features * itemsize``), where it
-    would do nothing.
+    Entering and leaving cost ~8 us: callers skip it where it would do
+    nothing (:meth:`reuses`).
     """
 
     def __init__(self) -> None:
         self._held = torch.classes.torchani_fast.Workspace()
+
+    @staticmethod
+    def reuses(atoms: int, features: int, dtype: torch.dtype) -> bool:
+        """Whether an AEV of ``atoms`` x ``features`` in ``dtype`` is large enough
+        to come from a workspace (smaller outputs are always allocated)."""
+        return atoms * features * (torch.finfo(dtype).bits // 8) >= WORKSPACE_MIN_BYTES
 
     @property
     def nbytes(self) -> int:

@@ -38,7 +38,7 @@ from torch import Tensor
 from . import ops
 from .aev import AEVComputer, NeighborList
 from .nn import FusedEnsemble, FusedNetworks
-from .evaluate import WORKSPACE_MIN_BYTES, Workspace, forces_of, require_tensors
+from .evaluate import Workspace, forces_of, require_tensors
 from .patch import is_patched, kept_parts, nnp_of
 from .potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList
 from .validation import check_periodic_work
@@ -146,8 +146,8 @@ class EnergyForcesStep:
         # The pair count, the static graph buffers and ``calls`` are shared by
         # every caller of this object: one call at a time (see the module doc).
         self._lock = threading.Lock()
-        aev_bytes = coords.shape[0] * coords.shape[1] * self.aev_computer.out_dim * coords.element_size()
-        self._workspace = Workspace() if aev_bytes >= WORKSPACE_MIN_BYTES else None
+        reuses = Workspace.reuses(coords.shape[0] * coords.shape[1], self.aev_computer.out_dim, coords.dtype)
+        self._workspace = Workspace() if reuses else None
         use_graph = coords.device.type == "cuda" if cuda_graph is None else cuda_graph
         self._warm_up(coords, use_graph and coords.device.type == "cuda")
 

@@ -51,8 +51,9 @@ class OutputCache {
     return storage_ ? static_cast<int64_t>(storage_.nbytes()) : 0;
   }
 
- private:
   static constexpr size_t kMinBytes = size_t(1) << 20;
+
+ private:
   static constexpr size_t kMaxBytes = size_t(256) << 20;
   std::mutex mutex_;
   c10::Storage storage_;
@@ -65,6 +66,8 @@ struct Workspace : torch::CustomClassHolder {
   static void enter(const c10::intrusive_ptr<Workspace>& self);
   // Restores the one current before; `self` must be the current one.
   static void exit(const c10::intrusive_ptr<Workspace>& self);
+  // Outputs smaller than this are never taken from a workspace.
+  static int64_t min_bytes() { return static_cast<int64_t>(OutputCache::kMinBytes); }
   // Bytes held now (all slots).
   int64_t nbytes() {
     int64_t total = 0;

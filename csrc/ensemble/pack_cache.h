@@ -81,6 +81,12 @@ struct PackCache : torch::CustomClassHolder {
     entries_.insert_or_assign(key, std::move(value));
   }
 
+  // The epoch now, without checking the parameters.
+  int64_t epoch() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return epoch_;
+  }
+
   void clear() {
     std::lock_guard<std::mutex> lock(mutex_);
     drop_all();

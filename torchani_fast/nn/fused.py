@@ -209,9 +209,10 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         ``torch.classes.torchani_fast.PackCache``, which pickles as empty): a
         saved ANI-2x is the size of TorchANI's file (55 MB) after any call.
         """
-        self._cache().clear()
-        if not torch.jit.is_scripting():
-            self._eager_clear()
+        if torch.jit.is_scripting():
+            self._script_packs.clear()
+        else:
+            self._eager_clear()  # (the packs, the plans, and the parameters read again)
 
     @torch.jit.unused
     def to_infer_model(self, use_mnp: bool = False) -> AtomicContainer:

@@ -103,7 +103,7 @@ class _WeightPacks:
             return plan.op_args
         with torch.inference_mode(False):  # panels usable by later calls with forces
             op_args = self._op_args(act, group_elem, group_mask, self._cached_hidden(act), True)
-        epoch = self._packs.check()  # (building may have dropped an older layer-1 pack)
+        epoch = self._packs.epoch()  # (building may have dropped an older layer-1 pack)
         if epoch != self._plans_epoch:  # every plan built before is stale
             self._native_plans = {}
             self._plans_epoch = epoch

@@ -6,6 +6,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 
+#include "ensemble/aten_mlp.h"
 #include "ops.h"
 #include "pairpot/pairpot.h"
 
@@ -250,41 +251,7 @@ struct AevDoubleBackwardDerivs {
 // or energies (molecules,), differentiable in aev.
 // ---------------------------------------------------------------------------
 
-// PyTorch's CELU backward scales by 1 / float32(alpha) even in float64 (see
-// nn.py, _CELU_INPUT_SCALE): the recomputation uses the same kernel.
-constexpr double kCeluAlpha = 0.1;
-const double kCeluInputScale = 1.0 / static_cast<double>(static_cast<float>(kCeluAlpha));
 constexpr int64_t kRecomputeChunk = 1024;  // atoms per chunk of the recomputation
-
-// The activation (the ops' `activation`: 0 CELU(0.1), 1 GELU) and its backward,
-// as PyTorch's modules run them (torch.nn.GELU(): approximate="none").
-at::Tensor activation_forward(const at::Tensor& h, int64_t activation) {
-  return activation == 1 ? at::gelu(h) : at::celu(h, kCeluAlpha);
-}
-
-at::Tensor activation_backward(const at::Tensor& grad, const at::Tensor& pre, int64_t activation) {
-  if (activation == 1) return at::gelu_backward(grad, pre);
-  return at::elu_backward(grad, kCeluAlpha, 1.0, kCeluInputScale, false, pre);
-}
-
-// d(sum grad * outputs)/dx (n, K) of one group's networks at x (n, K), all
-// members (grad: (members, n)); differentiable ATen ops throughout.
-at::Tensor mlp_input_grad(const at::Tensor& x, const at::Tensor& grad, const at::Tensor& w1,
-                          const std::vector<at::Tensor>& packs, int64_t members,
-                          int64_t activation) {
-  const int64_t n = x.size(0), layers = (static_cast<int64_t>(packs.size()) + 1) / 2;
-  at::Tensor h = at::addmm(packs[0], x, w1).view({n, members, -1}).transpose(0, 1);
-  std::vector<at::Tensor> pre;
-  for (int64_t l = 1; l < layers; ++l) {
-    pre.push_back(h);
-    h = at::baddbmm(packs[2 * l], activation_forward(h, activation), packs[2 * l - 1]);
-  }
-  at::Tensor g = grad.unsqueeze(2);  // (members, n, 1)
-  for (int64_t l = layers - 1; l >= 1; --l) {
-    g = activation_backward(at::bmm(g, packs[2 * l - 1].transpose(1, 2)), pre[l - 1], activation);
-  }
-  return g.transpose(0, 1).reshape({n, -1}).mm(w1.t());
-}
 
 // The AEV gradient of sum(grad_values * values) by recomputing each group's
 // activations with differentiable ATen ops, a chunk of atoms at a time (any
@@ -309,8 +276,8 @@ at::Tensor recompute_aev_grad(const at::Tensor& aev, const at::Tensor& grad_valu
       const at::Tensor chunk = atoms.narrow(0, row + r0, std::min(kRecomputeChunk, sizes[g] - r0));
       at::Tensor x = aev.index_select(0, chunk);
       if (!all_columns) x = x.index_select(1, cols);
-      const at::Tensor gx = mlp_input_grad(x, grad_values.index_select(1, chunk), first[g],
-                                           group_packs, members, activation);
+      const at::Tensor gx = aten_mlp::input_grad(x, grad_values.index_select(1, chunk), first[g],
+                                                 group_packs, members, activation);
       c10::List<std::optional<at::Tensor>> index;
       index.push_back(all_columns ? chunk : chunk.unsqueeze(1));
       if (!all_columns) index.push_back(cols.unsqueeze(0));

@@ -312,6 +312,18 @@ at::Tensor ensemble_atomic_autograd(const at::Tensor& aev, const at::Tensor& ato
                                     at::TensorList panels, at::IntArrayRef layers,
                                     int64_t members, bool zero_blocks_exact, int64_t activation);
 
+// ensemble_train (ensemble/train.cpp; any device, a CompositeImplicitAutograd
+// kernel): the values (members, aev.size(0)) of ensemble_mlp's groups while the
+// weights require grad (training). `first` and `packs` as for ensemble_mlp but
+// differentiable (nn/training.py's packs: views and cats of the parameters);
+// groups of at most `small` atoms take layer 1 as a batched product. Its
+// backward gives the AEV and weight gradients; under create_graph=True its AEV
+// gradient has the force loss's second derivatives written out.
+at::Tensor ensemble_train(const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
+                          at::TensorList columns, at::TensorList first, at::TensorList packs,
+                          at::IntArrayRef layers, int64_t members, int64_t small,
+                          int64_t activation);
+
 // ensemble_energies: ensemble_atomic's values reduced to energies
 // (molecules,): summed over each molecule's atoms (aev holds molecules x atoms
 // rows) and over the members, divided by `divisor` (the number of active

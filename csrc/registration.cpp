@@ -39,7 +39,7 @@ TORCH_LIBRARY(torchani_fast, m) {
   for (const char* schema :
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevWithEdges, kAevBackwardEdges, kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
-        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kWeightsState, kGroupAtoms,
+        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kEnsembleTrain, kWeightsState, kGroupAtoms,
         kFirstInvalidAtom, kValidCell, kConvertSpecies, kSimdActivation, kSimdErf,
         kRepulsionXtb, kDispersionD3, kPairEnergiesBackward}) {
     m.def(schema);
@@ -74,9 +74,11 @@ TORCH_LIBRARY_IMPL(torchani_fast, CPU, m) {
   m.impl("pair_energies_backward", &pair_energies_backward_cpu);
 }
 
-// Reads tensor metadata only: one kernel for every device, above autograd.
+// One kernel for every device, above autograd: weights_state reads tensor
+// metadata only, ensemble_train runs ATen ops in a C++ autograd Function.
 TORCH_LIBRARY_IMPL(torchani_fast, CompositeImplicitAutograd, m) {
   m.impl("weights_state", &torchani_fast::weights_state);
+  m.impl("ensemble_train", &torchani_fast::ensemble_train);
 }
 
 #ifdef TORCHANI_FAST_CUDA

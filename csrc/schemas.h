@@ -50,6 +50,9 @@ constexpr const char* kEnsembleEnergies =
     "ensemble_energies(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
     "Tensor[] packs, Tensor[] panels, int[] layers, int members, int molecules, int divisor, "
     "bool zero_blocks_exact=False, int activation=0) -> Tensor";
+constexpr const char* kEnsembleTrain =
+    "ensemble_train(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
+    "Tensor[] packs, int[] layers, int members, int small, int activation=0) -> Tensor";
 // The float32/float64 activations and erf of the networks' kernels, elementwise (for tests).
 constexpr const char* kSimdActivation =
     "simd_activation(Tensor x, int activation) -> (Tensor values, Tensor derivative)";

@@ -211,3 +211,27 @@ def test_train_eval_train_sees_every_step(dtype):
         check()  # inference kernels, repacked from the stepped weights
         for model in (ref, fast):
             model.train()
+
+
+@pytest.mark.parametrize("script", [False, True], ids=["eager", "torchscript"])
+def test_force_loss_runs_the_training_op(script):
+    """Eager and scripted models train through torchani_fast::ensemble_train
+    (its backward and InputGrad's: no ATen networks recorded op by op), with
+    TorchANI's weight gradients of an energy + force loss (float64)."""
+    ref, fast = pair("ANI1x", torch.float64, 8)
+    species, coords = mixed_batch(CASES["ANI1x"], torch.float64)
+    targets = targets_for(ref, species, coords)
+    model = torch.jit.script(fast) if script else fast
+    grads = []
+    for m in (ref, model):
+        params = trainable(m)
+        with torch.profiler.profile() as prof:
+            loss_of(m, species, coords, True, targets).backward()
+        grads.append([p.grad for p in params])
+    names = {evt.name for evt in prof.events()}
+    assert "torchani_fast::ensemble_train" in names
+    # No networks recorded op by op (their autograd nodes would run in the backward):
+    recorded = ("CeluBackward", "EluBackward", "GeluBackward", "BmmBackward", "BaddbmmBackward",
+                "AddmmBackward", "MmBackward")
+    assert not {n for n in names if any(r in n for r in recorded)}, sorted(names)
+    assert norm_error(grads[1], grads[0]) < 1e-10

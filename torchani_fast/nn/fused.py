@@ -258,36 +258,55 @@ class _FusedBase(_WeightPacks, AtomicContainer):
                 return torch.ops.torchani_fast.ensemble_atomic(
                     aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k,
                     self.zero_blocks_exact, self.activation)
-        ws: tp.List[tp.List[tp.List[Tensor]]] = []
         training = self._weights_epoch() < 0
         if training:
             # Differentiable packing on every call, nothing cached: exact weight
             # gradients, and an optimizer step is seen by the next call. Packs
             # cached before training began would be stale once it ends: dropped.
             self._cache().clear()
-            ws = self._member_weights()
-            hidden = hidden_packs(ws, act, self.num_species, self.num_layers, self.layer_biases,
-                                  self.output_row)
-        else:
-            hidden = self._cached_hidden(act)
-        if not training and self._recompute(aev, group_elem, group_size, k):
+            return self._train_atomic(aev, atoms, act, group_elem, group_mask, group_size)
+        hidden = self._cached_hidden(act)
+        if self._recompute(aev, group_elem, group_size, k):
             return self._eager_recompute(aev, atoms, hidden, act, group_elem, group_mask, group_size)
         out = aev.new_zeros((k, num_atoms))
         xs = aev.index_select(0, atoms).split(group_size)
         outs: tp.List[Tensor] = []
         for g in range(len(group_size)):
             e = group_elem[g]
-            if training:
-                cols = self._column_index(group_mask[g], aev.device)
-                first = [cols, first_layer_pack(ws, act, e, cols, cols.shape[0] == self.in_dim)]
-            else:
-                first = self._cached_first(act, e, group_mask[g])
+            first = self._cached_first(act, e, group_mask[g])
             cols = first[0]
             x = xs[g] if cols.shape[0] == aev.shape[1] else xs[g].index_select(1, cols)
             o = self.offsets[e]
             packs = hidden[o:o + 2 * self.num_layers[e] - 1]
             outs.append(_mlp_values(x, first[1], packs, k, self.small_group_atoms, self.activation)[0])
         return out.index_copy(1, atoms, torch.cat(outs, 1))
+
+    def _train_atomic(
+        self, aev: Tensor, atoms: Tensor, act: tp.List[int], group_elem: tp.List[int],
+        group_mask: tp.List[int], group_size: tp.List[int],
+    ) -> Tensor:
+        """Values (k, atoms) while the parameters require grad: ``ensemble_train``
+        (C++, any device) on weights packed from the live parameters
+        (training.py), with the weight gradients and the force loss's second
+        derivatives written out instead of recorded op by op."""
+        ws = self._member_weights()
+        hidden = hidden_packs(ws, act, self.num_species, self.num_layers, self.layer_biases,
+                              self.output_row)
+        columns: tp.List[Tensor] = []
+        first: tp.List[Tensor] = []
+        packs: tp.List[Tensor] = []
+        layers: tp.List[int] = []
+        for g in range(len(group_size)):
+            e = group_elem[g]
+            cols = self._column_index(group_mask[g], aev.device)
+            columns.append(cols)
+            first.append(first_layer_pack(ws, act, e, cols, cols.shape[0] == self.in_dim))
+            o = self.offsets[e]
+            packs.extend(hidden[o:o + 2 * self.num_layers[e] - 1])
+            layers.append(self.num_layers[e])
+        return torch.ops.torchani_fast.ensemble_train(
+            aev, atoms, group_size, columns, first, packs, layers, len(act), self.small_group_atoms,
+            self.activation)
 
     def _recompute(self, aev: Tensor, group_elem: tp.List[int], group_size: tp.List[int], k: int) -> bool:
         """Whether ``_eager_recompute`` evaluates the groups: large inputs with

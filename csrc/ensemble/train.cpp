@@ -1,0 +1,425 @@
+// ensemble_train: the fused networks while their weights require grad
+// (training), in ATen ops on any device, with their first and second
+// derivatives written out instead of recorded op by op.
+//
+// The values (members, atoms) of every element group in one op. Its backward
+// gives the AEV and weight gradients of an energy loss; under
+// create_graph=True (forces for a force loss) the AEV gradient is InputGrad,
+// whose own backward is the second derivative a force loss needs: for the
+// directional derivative s = sum_n grad_n . (v_n . dy_n/dx_n) of the networks
+// along the AEV direction v (the adjoint of the AEV gradient), the gradient of
+// s with respect to the weights, the AEV and the incoming gradient. That is the
+// reverse pass over the networks' forward-mode tangent: per layer, with
+// primal h, a = sigma(h) and tangent hd, ad = sigma'(h) hd,
+//   dW = a^T P + ad^T T,  db = sum P,  P_below = sigma'(h) (P W^T) + sigma''(h) hd (T W^T),
+// where T (the tangent's adjoint) is the first backward's delta, which
+// InputGrad keeps, and P (the primal's adjoint) starts at 0 above the last
+// layer. Rarer requests (weight gradients under create_graph, third
+// derivatives) recompute the networks in differentiable ATen ops and
+// differentiate those.
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <vector>
+
+#include "ensemble/aten_mlp.h"
+#include "ops.h"
+
+namespace torchani_fast {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+using namespace aten_mlp;
+
+// One element group: its atoms (rows of the AEV), AEV columns (all of them
+// when `all_columns`), layer-1 weights (K, members*d1) and the later packs
+// b1 (members*d1,), W2 (members, d1, d2), b2 (members, 1, d2), ...
+struct Group {
+  at::Tensor atoms, cols, w1;
+  bool all_columns;
+  std::vector<at::Tensor> packs;
+  int64_t layers;
+
+  at::Tensor gather(const at::Tensor& t) const {  // rows and columns of an (atoms, features) tensor
+    const at::Tensor rows = t.index_select(0, atoms);
+    return all_columns ? rows : rows.index_select(1, cols);
+  }
+  // Set this group's rows and columns of `into` (atoms, features, zero there) to `val`.
+  void scatter_into(at::Tensor& into, const at::Tensor& val) const {
+    if (all_columns) {
+      into.index_copy_(0, atoms, val);
+    } else {
+      into.index_copy_(0, atoms, val.new_zeros({val.size(0), into.size(1)}).index_copy_(1, cols, val));
+    }
+  }
+  const at::Tensor& weight(int64_t t) const { return packs[2 * t - 1]; }  // W_{t+1}, (k, d_t, d_{t+1})
+};
+
+std::vector<Group> make_groups(const at::Tensor& atoms, at::IntArrayRef sizes,
+                               at::TensorList columns, at::TensorList first, at::TensorList packs,
+                               at::IntArrayRef layers, int64_t features) {
+  std::vector<Group> groups;
+  int64_t row = 0, pack = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    Group group;
+    group.atoms = atoms.narrow(0, row, sizes[g]);
+    group.cols = columns[g];
+    group.all_columns = columns[g].numel() == features;
+    group.w1 = first[g];
+    group.layers = layers[g];
+    group.packs.assign(packs.begin() + pack, packs.begin() + pack + 2 * layers[g] - 1);
+    groups.push_back(std::move(group));
+    row += sizes[g];
+    pack += 2 * layers[g] - 1;
+  }
+  return groups;
+}
+
+// A group's values (members, n) in differentiable ATen ops (the same ops as the
+// forward); with `pre`/`post`, its pre-activations and activations are appended.
+at::Tensor group_values(const Group& g, const at::Tensor& aev, int64_t members, int64_t small,
+                        int64_t activation, std::vector<at::Tensor>* pre,
+                        std::vector<at::Tensor>* post) {
+  at::Tensor h = first_layer(g.gather(aev), g.w1, g.packs[0], members, small);
+  for (int64_t t = 1; t < g.layers; ++t) {
+    const at::Tensor a = activation_forward(h, activation);
+    if (pre != nullptr) {
+      pre->push_back(h);
+      post->push_back(a);
+    }
+    h = at::baddbmm(g.packs[2 * t], a, g.weight(t));
+  }
+  return h.reshape({members, -1});
+}
+
+// The gradients of `outputs` (with `grads`) with respect to the tensors of
+// `inputs` for which `needed`, by autograd, differentiable (create_graph):
+// undefined where not needed or unused.
+std::vector<at::Tensor> recorded_grads(const std::vector<at::Tensor>& outputs,
+                                       const std::vector<at::Tensor>& grads,
+                                       const std::vector<at::Tensor>& inputs,
+                                       const std::vector<bool>& needed) {
+  std::vector<at::Tensor> wanted;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (needed[i]) wanted.push_back(inputs[i]);
+  std::vector<at::Tensor> result(inputs.size());
+  if (wanted.empty() || outputs.empty()) return result;
+  const auto got = torch::autograd::grad(outputs, wanted, grads, /*retain_graph=*/true,
+                                         /*create_graph=*/true, /*allow_unused=*/true);
+  for (size_t i = 0, j = 0; i < inputs.size(); ++i)
+    if (needed[i]) result[i] = got[j++];
+  return result;
+}
+
+// A group's AEV gradient (n, K) of sum(grad_g * values) from its pre-activations
+// `pre` (h_1 .. h_{L-1}), in differentiable ATen ops (third derivatives).
+at::Tensor input_grad_from(const Group& g, const at::Tensor& grad_g, const std::vector<at::Tensor>& pre,
+                           int64_t activation) {
+  at::Tensor delta = grad_g.unsqueeze(2);
+  for (int64_t t = g.layers - 1; t >= 1; --t)
+    delta = activation_backward(at::bmm(delta, g.weight(t).transpose(1, 2)), pre[t - 1], activation);
+  return delta.transpose(0, 1).reshape({delta.size(1), -1}).mm(g.w1.t());
+}
+
+// The AEV gradient (atoms, features) of sum(grad * values) of ensemble_train's
+// groups, as a function of grad, the weights and the pre-activations h_t that
+// TrainFunction returns besides the values (so that the engine adds this
+// node's gradient for them to the energy loss's before TrainFunction's backward
+// runs once for both: one weight-gradient product per layer, not two).
+class InputGrad : public torch::autograd::Function<InputGrad> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& atoms,
+                            std::vector<int64_t> sizes, std::vector<at::Tensor> columns,
+                            at::TensorList first, at::TensorList packs, at::TensorList pre,
+                            std::vector<int64_t> layers, int64_t members, int64_t activation,
+                            int64_t features) {
+    ctx->set_materialize_grads(false);
+    const auto groups = make_groups(atoms, sizes, columns, first, packs, layers, features);
+    at::Tensor result = grad.new_zeros({grad.size(1), features});
+    std::vector<at::Tensor> above, deltas;  // per transition t: delta_{t+1} W^T, delta_t
+    int64_t at_t = 0;
+    for (const Group& g : groups) {
+      at::Tensor delta = grad.index_select(1, g.atoms).unsqueeze(2);  // (k, n, 1)
+      std::vector<at::Tensor> g_above(g.layers - 1), g_deltas(g.layers - 1);
+      for (int64_t t = g.layers - 1; t >= 1; --t) {
+        g_above[t - 1] = at::bmm(delta, g.weight(t).transpose(1, 2));
+        delta = activation_backward(g_above[t - 1], pre[at_t + t - 1], activation);
+        g_deltas[t - 1] = delta;
+      }
+      g.scatter_into(result, delta.transpose(0, 1).reshape({delta.size(1), -1}).mm(g.w1.t()));
+      above.insert(above.end(), g_above.begin(), g_above.end());
+      deltas.insert(deltas.end(), g_deltas.begin(), g_deltas.end());
+      at_t += g.layers - 1;
+    }
+    std::vector<at::Tensor> saved{grad};
+    saved.insert(saved.end(), first.begin(), first.end());
+    saved.insert(saved.end(), packs.begin(), packs.end());
+    saved.insert(saved.end(), pre.begin(), pre.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["atoms"] = atoms;
+    ctx->saved_data["sizes"] = sizes;
+    ctx->saved_data["columns"] = columns;
+    ctx->saved_data["layers"] = layers;
+    ctx->saved_data["members"] = members;
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["features"] = features;
+    ctx->saved_data["above"] = above;
+    ctx->saved_data["deltas"] = deltas;
+    return result;
+  }
+
+  // For v, the adjoint of the AEV gradient: the derivatives of
+  // s = sum grad . (v . dvalues/daev) with respect to grad (the tangent's
+  // output), the weights (the products with the tangent, ad^T delta) and each
+  // pre-activation (sigma''(h) hd delta_above W^T; the primal path's own
+  // products are TrainFunction's).
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto sizes = ctx->saved_data["sizes"].toIntVector();
+    const auto columns = ctx->saved_data["columns"].toTensorVector();
+    const auto layers = ctx->saved_data["layers"].toIntVector();
+    const int64_t members = ctx->saved_data["members"].toInt();
+    const int64_t activation = ctx->saved_data["activation"].toInt();
+    const int64_t features = ctx->saved_data["features"].toInt();
+    const int64_t nf = static_cast<int64_t>(sizes.size());
+    int64_t np = 0, nh = 0;
+    for (int64_t l : layers) {
+      np += 2 * l - 1;
+      nh += l - 1;
+    }
+    const at::Tensor& grad = saved[0];
+    const std::vector<at::Tensor> first(saved.begin() + 1, saved.begin() + 1 + nf);
+    const std::vector<at::Tensor> packs(saved.begin() + 1 + nf, saved.begin() + 1 + nf + np);
+    const std::vector<at::Tensor> pre(saved.begin() + 1 + nf + np, saved.end());
+    const auto groups = make_groups(ctx->saved_data["atoms"].toTensor(), sizes, columns, first,
+                                    packs, layers, features);
+    // Output edges: grad 0, atoms 1, first 2.., packs, pre.
+    std::vector<bool> needed{ctx->needs_input_grad(0)};
+    for (int64_t i = 0; i < nf + np + nh; ++i) needed.push_back(ctx->needs_input_grad(2 + i));
+    const at::Tensor v = grads[0];  // (atoms, features)
+    std::vector<at::Tensor> result(needed.size());  // grad, first..., packs..., pre...
+    if (!v.defined()) return pack_outputs(result, nf, np, nh);
+    if (at::GradMode::is_enabled()) {  // a third derivative: differentiate a recording
+      std::vector<at::Tensor> outs, gs;
+      int64_t at_t = 0;
+      for (const Group& g : groups) {
+        const std::vector<at::Tensor> g_pre(pre.begin() + at_t, pre.begin() + at_t + g.layers - 1);
+        outs.push_back(input_grad_from(g, grad.index_select(1, g.atoms), g_pre, activation));
+        gs.push_back(g.gather(v));
+        at_t += g.layers - 1;
+      }
+      result = recorded_grads(outs, gs, saved, needed);
+      return pack_outputs(result, nf, np, nh);
+    }
+    const auto above = ctx->saved_data["above"].toTensorVector();
+    const auto deltas = ctx->saved_data["deltas"].toTensorVector();
+    if (needed[0]) result[0] = at::zeros_like(grad);
+    int64_t at_t = 0, at_p = 1 + nf;
+    const int64_t at_h = 1 + nf + np;
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const Group& g = groups[gi];
+      const int64_t L = g.layers, n = g.atoms.size(0);
+      const at::Tensor vg = g.gather(v);
+      // The tangent along v: hd_t = d h_t, ad_t = sigma'(h_t) hd_t.
+      at::Tensor hd = vg.mm(g.w1).view({n, members, -1}).transpose(0, 1);
+      for (int64_t t = 1; t < L; ++t) {
+        const at::Tensor& h = pre[at_t + t - 1];
+        const at::Tensor ad = activation_backward(hd, h, activation);
+        if (needed[at_h + at_t + t - 1]) {
+          result[at_h + at_t + t - 1] =
+              activation_second_along(above[at_t + t - 1], hd, ad, h, activation);
+        }
+        const at::Tensor& delta_above =
+            t == L - 1 ? grad.index_select(1, g.atoms).unsqueeze(2) : deltas[at_t + t];
+        if (needed[at_p + 2 * t - 1]) result[at_p + 2 * t - 1] = at::bmm(ad.transpose(1, 2), delta_above);
+        hd = at::bmm(ad, g.weight(t));
+      }
+      if (needed[0]) result[0].index_copy_(1, g.atoms, hd.reshape({members, n}));
+      if (needed[1 + gi]) {  // delta_1: the incoming gradient itself for a single layer
+        const at::Tensor delta1 = L == 1 ? grad.index_select(1, g.atoms).unsqueeze(2) : deltas[at_t];
+        result[1 + gi] = vg.t().mm(delta1.transpose(0, 1).reshape({n, -1}));
+      }
+      at_t += L - 1;
+      at_p += 2 * L - 1;
+    }
+    return pack_outputs(result, nf, np, nh);
+  }
+
+ private:
+  static tensor_list pack_outputs(const std::vector<at::Tensor>& result, int64_t nf, int64_t np,
+                                  int64_t nh) {
+    // grad, atoms, sizes, columns, first, packs, pre, layers, members, activation, features
+    tensor_list out(8 + nf + np + nh);
+    out[0] = result[0];
+    for (int64_t i = 0; i < nf + np + nh; ++i) out[4 + i] = result[1 + i];
+    return out;
+  }
+};
+
+// The networks' values (members, atoms) of every group (atoms outside the
+// groups 0), followed by the groups' pre-activations h_t (members, n, d_t),
+// which InputGrad differentiates.
+class TrainFunction : public torch::autograd::Function<TrainFunction> {
+ public:
+  static tensor_list forward(AutogradContext* ctx, const at::Tensor& aev, const at::Tensor& atoms,
+                             std::vector<int64_t> sizes, std::vector<at::Tensor> columns,
+                             at::TensorList first, at::TensorList packs,
+                             std::vector<int64_t> layers, int64_t members, int64_t small,
+                             int64_t activation) {
+    // Outputs without a gradient arrive undefined, not as zeros: the
+    // pre-activations have one only under a force loss.
+    ctx->set_materialize_grads(false);
+    const auto groups = make_groups(atoms, sizes, columns, first, packs, layers, aev.size(1));
+    std::vector<at::Tensor> pre, post, values;
+    for (const Group& g : groups)
+      values.push_back(group_values(g, aev, members, small, activation, &pre, &post));
+    at::Tensor out = at::zeros({members, aev.size(0)}, aev.options());
+    if (!values.empty()) out.index_copy_(1, atoms, at::cat(values, 1));
+    std::vector<at::Tensor> saved{aev};
+    saved.insert(saved.end(), first.begin(), first.end());
+    saved.insert(saved.end(), packs.begin(), packs.end());
+    saved.insert(saved.end(), pre.begin(), pre.end());  // outputs: saved without a cycle
+    ctx->save_for_backward(saved);
+    ctx->saved_data["atoms"] = atoms;
+    ctx->saved_data["sizes"] = sizes;
+    ctx->saved_data["columns"] = columns;
+    ctx->saved_data["layers"] = layers;
+    ctx->saved_data["members"] = members;
+    ctx->saved_data["small"] = small;
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["post"] = post;
+    tensor_list outputs{out};
+    outputs.insert(outputs.end(), pre.begin(), pre.end());
+    return outputs;
+  }
+
+  // grads: the values' (energy loss) and, under a force loss, the
+  // pre-activations' (from InputGrad's backward), added by the engine: one
+  // pass back through the networks for both.
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor atoms = ctx->saved_data["atoms"].toTensor();
+    const auto sizes = ctx->saved_data["sizes"].toIntVector();
+    const auto columns = ctx->saved_data["columns"].toTensorVector();
+    const auto layers = ctx->saved_data["layers"].toIntVector();
+    const int64_t members = ctx->saved_data["members"].toInt();
+    const int64_t small = ctx->saved_data["small"].toInt();
+    const int64_t activation = ctx->saved_data["activation"].toInt();
+    const auto post = ctx->saved_data["post"].toTensorVector();
+    const int64_t nf = static_cast<int64_t>(sizes.size());
+    int64_t np = 0;
+    for (int64_t l : layers) np += 2 * l - 1;
+    const at::Tensor& aev = saved[0];
+    const std::vector<at::Tensor> first(saved.begin() + 1, saved.begin() + 1 + nf);
+    const std::vector<at::Tensor> packs(saved.begin() + 1 + nf, saved.begin() + 1 + nf + np);
+    const std::vector<at::Tensor> pre(saved.begin() + 1 + nf + np, saved.end());
+    // Output edges: aev 0, atoms 1, first 2.., packs 2+nf..
+    std::vector<bool> needed{ctx->needs_input_grad(0)};
+    bool any_weight = false;
+    for (int64_t i = 0; i < nf + np; ++i) {
+      needed.push_back(ctx->needs_input_grad(2 + i));
+      any_weight = any_weight || needed.back();
+    }
+    const at::Tensor grad = grads[0].defined() ? grads[0] : at::zeros({members, aev.size(0)}, aev.options());
+    bool pre_grads = false;
+    for (size_t i = 1; i < grads.size(); ++i) pre_grads = pre_grads || grads[i].defined();
+    std::vector<at::Tensor> result(needed.size());  // aev, first..., packs...
+    const auto groups = make_groups(atoms, sizes, columns, first, packs, layers, aev.size(1));
+    if (at::GradMode::is_enabled()) {
+      // create_graph=True. For forces (the values' gradient only, to the AEV):
+      // InputGrad, whose second derivative is written out. Anything else
+      // (weight gradients, gradients of the pre-activations: a third
+      // derivative) differentiates a recorded recomputation.
+      std::vector<bool> rest(needed);
+      if (needed[0] && !pre_grads) {
+        result[0] = InputGrad::apply(grad, atoms, sizes, columns, at::TensorList(first),
+                                     at::TensorList(packs), at::TensorList(pre), layers, members,
+                                     activation, aev.size(1));
+        rest[0] = false;
+      }
+      if (any_weight || rest[0]) {
+        std::vector<at::Tensor> outs, gs;
+        std::vector<at::Tensor> re_pre, re_post;
+        for (const Group& g : groups) {
+          outs.push_back(group_values(g, aev, members, small, activation, &re_pre, &re_post));
+          gs.push_back(grad.index_select(1, g.atoms));
+        }
+        for (size_t i = 1; i < grads.size(); ++i) {
+          if (!grads[i].defined()) continue;
+          outs.push_back(re_pre[i - 1]);
+          gs.push_back(grads[i]);
+        }
+        const auto w = recorded_grads(outs, gs, saved, rest);
+        for (size_t i = 0; i < result.size(); ++i)
+          if (rest[i]) result[i] = w[i];
+      }
+    } else {
+      if (needed[0]) result[0] = at::zeros_like(aev);
+      int64_t at_t = 0, at_p = 1 + nf;
+      for (size_t gi = 0; gi < groups.size(); ++gi) {
+        const Group& g = groups[gi];
+        const int64_t L = g.layers, n = g.atoms.size(0);
+        at::Tensor delta = grad.index_select(1, g.atoms).unsqueeze(2);  // (k, n, 1)
+        for (int64_t t = L - 1; t >= 1; --t) {
+          const int64_t w_slot = at_p + 2 * t - 1, b_slot = at_p + 2 * t;
+          if (needed[w_slot]) result[w_slot] = at::bmm(post[at_t + t - 1].transpose(1, 2), delta);
+          if (needed[b_slot]) result[b_slot] = delta.sum(1, true);
+          delta = activation_backward(at::bmm(delta, g.weight(t).transpose(1, 2)),
+                                      pre[at_t + t - 1], activation);
+          if (grads[1 + at_t + t - 1].defined()) delta = delta + grads[1 + at_t + t - 1];
+        }
+        const at::Tensor d = delta.transpose(0, 1).reshape({n, -1});
+        if (needed[1 + gi]) result[1 + gi] = g.gather(aev).t().mm(d);
+        if (needed[at_p]) result[at_p] = d.sum(0);
+        if (needed[0]) g.scatter_into(result[0], d.mm(g.w1.t()));
+        at_t += L - 1;
+        at_p += 2 * L - 1;
+      }
+    }
+    tensor_list out(8 + nf + np);  // aev, atoms, sizes, columns, first, packs, 4 more
+    out[0] = result[0];
+    for (int64_t i = 0; i < nf + np; ++i) out[4 + i] = result[1 + i];
+    return out;
+  }
+};
+
+}  // namespace
+
+at::Tensor ensemble_train(const at::Tensor& aev, const at::Tensor& atoms, at::IntArrayRef sizes,
+                          at::TensorList columns, at::TensorList first, at::TensorList packs,
+                          at::IntArrayRef layers, int64_t members, int64_t small,
+                          int64_t activation) {
+  TORCH_CHECK(aev.dim() == 2 && aev.is_floating_point(),
+              "ensemble_train: aev must be a 2-D floating-point tensor (atoms, features), got ",
+              aev.sizes(), " ", aev.scalar_type());
+  TORCH_CHECK(atoms.dim() == 1 && atoms.scalar_type() == at::kLong,
+              "ensemble_train: atoms must be a 1-D int64 tensor, got ", atoms.sizes(), " ",
+              atoms.scalar_type());
+  TORCH_CHECK(members >= 1, "ensemble_train: members must be at least 1, got ", members);
+  TORCH_CHECK(activation == 0 || activation == kActivationGelu,
+              "ensemble_train: activation must be 0 (CELU) or 1 (GELU), got ", activation);
+  const size_t groups = sizes.size();
+  TORCH_CHECK(columns.size() == groups && first.size() == groups && layers.size() == groups,
+              "ensemble_train: sizes, columns, first and layers need one entry per group, got ",
+              groups, ", ", columns.size(), ", ", first.size(), " and ", layers.size());
+  int64_t rows = 0, expected_packs = 0;
+  for (size_t g = 0; g < groups; ++g) {
+    TORCH_CHECK(sizes[g] >= 0, "ensemble_train: sizes[", g, "] = ", sizes[g], " is negative");
+    TORCH_CHECK(layers[g] >= 1, "ensemble_train: layers[", g, "] = ", layers[g],
+                " is not a number of layers");
+    TORCH_CHECK(first[g].dim() == 2 && first[g].size(0) == columns[g].numel(),
+                "ensemble_train: first[", g, "] must be (", columns[g].numel(),
+                ", members * d1) for its columns, got ", first[g].sizes());
+    rows += sizes[g];
+    expected_packs += 2 * layers[g] - 1;
+  }
+  TORCH_CHECK(rows == atoms.numel(), "ensemble_train: the sizes add up to ", rows,
+              " atoms, but atoms has ", atoms.numel());
+  TORCH_CHECK(static_cast<int64_t>(packs.size()) == expected_packs, "ensemble_train: layers ",
+              layers, " need ", expected_packs, " packs, got ", packs.size());
+  return TrainFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first, packs, layers.vec(),
+                              members, small, activation)[0];
+}
+
+}  // namespace torchani_fast

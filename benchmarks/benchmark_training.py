@@ -15,6 +15,7 @@ Batches:
 
     python benchmarks/benchmark_training.py --cases ch4 2iuz --loss force --rounds 10
     python benchmarks/benchmark_training.py --profile ch4   # where the time goes
+    python benchmarks/benchmark_training.py --floor ch4 --members 1 --dtypes float32 --loss force
 
 (From a checkout that is not the installed package: ``PYTHONPATH=.`` first.)
 """
@@ -178,6 +179,40 @@ def profile(case, members, dtype, force, molecules, rows):
         print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
+GEMMS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+
+
+def floor(case, members, dtype, force, molecules, steps=3):
+    """Per step: the wall time (median, not profiled), the networks' matrix products
+    (GFLOP and ms, from the profiler's FLOP counts and op times) and the
+    optimizer's ms, for both models; then the most a step
+    of torchani_fast could gain over TorchANI's with everything else free:
+    TorchANI's step over torchani_fast's products + optimizer."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    rows = {}
+    for name, trainer in zip(("torchani", "torchani_fast"), make_pair(case, members, dtype, force,
+                                                                         molecules)):
+        for _ in range(2):
+            trainer.step()
+        wall = statistics.median(timed(trainer.step)[0] for _ in range(2 * steps + 1))
+        with prof(activities=[ProfilerActivity.CPU], with_flops=True) as p:
+            for _ in range(steps):
+                trainer.step()
+        ev = p.key_averages()
+        flops = sum(e.flops for e in ev if e.key in GEMMS) / steps
+        gemm = sum(e.self_cpu_time_total for e in ev if e.key in GEMMS) / steps / 1e6
+        opt = sum(e.cpu_time_total for e in ev if e.key.startswith("Optimizer.step")) / steps / 1e6
+        rows[name] = (wall, flops, gemm, opt)
+        print(f"{name:14} step {1e3 * wall:7.1f} ms  products {flops / 1e9:6.3f} GFLOP "
+              f"in {1e3 * gemm:6.1f} ms ({flops / max(gemm, 1e-12) / 1e9:5.0f} GFLOP/s)  "
+              f"optimizer {1e3 * opt:5.1f} ms")
+    wall_ref = rows["torchani"][0]
+    _, _, gemm, opt = rows["torchani_fast"]
+    print(f"bound: TorchANI's step / (torchani_fast's products + optimizer) = "
+          f"{wall_ref / (gemm + opt):.1f}x")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", default=["ch4", "2iuz", "mixed"],
@@ -191,12 +226,18 @@ def main():
     parser.add_argument("--profile", metavar="CASE", choices=["ch4", "2iuz", "mixed"],
                         help="torch.profiler tables of both steps for this case instead")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--floor", metavar="CASE", choices=["ch4", "2iuz", "mixed"],
+                        help="the products' FLOPs and time per step, and the bound they set, instead")
     parser.add_argument("--weights-only", action="store_true",
                         help="loss.backward(inputs=parameters): no coordinate gradient (both models)")
     args = parser.parse_args()
     import os
     print(f"threads {torch.get_num_threads()}, cpu_isa {torchani_fast.cpu_isa()}, "
           f"load {os.getloadavg()[0]:.2f}")
+    if args.floor:
+        floor(args.floor, args.members[0], getattr(torch, args.dtypes[0]), "force" in args.loss,
+              args.molecules)
+        return
     if args.profile:
         profile(args.profile, args.members[0], getattr(torch, args.dtypes[0]), "force" in args.loss,
                 args.molecules, args.rows)

@@ -76,12 +76,13 @@ std::vector<Group> make_groups(const at::Tensor& atoms, at::IntArrayRef sizes,
   return groups;
 }
 
-// A group's values (members, n) in differentiable ATen ops (the same ops as the
-// forward); with `pre`/`post`, its pre-activations and activations are appended.
-at::Tensor group_values(const Group& g, const at::Tensor& aev, int64_t members, int64_t small,
+// A group's values (members, n) at its inputs x (n, K_g) in differentiable ATen
+// ops (the same ops as the forward); with `pre`/`post`, its pre-activations and
+// activations are appended.
+at::Tensor group_values(const Group& g, const at::Tensor& x, int64_t members, int64_t small,
                         int64_t activation, std::vector<at::Tensor>* pre,
                         std::vector<at::Tensor>* post) {
-  at::Tensor h = first_layer(g.gather(aev), g.w1, g.packs[0], members, small);
+  at::Tensor h = first_layer(x, g.w1, g.packs[0], members, small);
   for (int64_t t = 1; t < g.layers; ++t) {
     const at::Tensor a = activation_forward(h, activation);
     if (pre != nullptr) {
@@ -156,6 +157,10 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
     saved.insert(saved.end(), first.begin(), first.end());
     saved.insert(saved.end(), packs.begin(), packs.end());
     saved.insert(saved.end(), pre.begin(), pre.end());
+    // Intermediates too are saved variables, not saved_data: the engine frees
+    // them once this backward ran (unless retain_graph), as it does autograd's own.
+    saved.insert(saved.end(), above.begin(), above.end());
+    saved.insert(saved.end(), deltas.begin(), deltas.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["atoms"] = atoms;
     ctx->saved_data["sizes"] = sizes;
@@ -164,8 +169,6 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
     ctx->saved_data["members"] = members;
     ctx->saved_data["activation"] = activation;
     ctx->saved_data["features"] = features;
-    ctx->saved_data["above"] = above;
-    ctx->saved_data["deltas"] = deltas;
     return result;
   }
 
@@ -191,7 +194,10 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
     const at::Tensor& grad = saved[0];
     const std::vector<at::Tensor> first(saved.begin() + 1, saved.begin() + 1 + nf);
     const std::vector<at::Tensor> packs(saved.begin() + 1 + nf, saved.begin() + 1 + nf + np);
-    const std::vector<at::Tensor> pre(saved.begin() + 1 + nf + np, saved.end());
+    const auto at = saved.begin() + 1 + nf + np;
+    const std::vector<at::Tensor> pre(at, at + nh), above(at + nh, at + 2 * nh),
+        deltas(at + 2 * nh, at + 3 * nh);
+    const std::vector<at::Tensor> inputs(saved.begin(), at + nh);  // grad, first, packs, pre
     const auto groups = make_groups(ctx->saved_data["atoms"].toTensor(), sizes, columns, first,
                                     packs, layers, features);
     // Output edges: grad 0, atoms 1, first 2.., packs, pre.
@@ -209,11 +215,9 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
         gs.push_back(g.gather(v));
         at_t += g.layers - 1;
       }
-      result = recorded_grads(outs, gs, saved, needed);
+      result = recorded_grads(outs, gs, inputs, needed);
       return pack_outputs(result, nf, np, nh);
     }
-    const auto above = ctx->saved_data["above"].toTensorVector();
-    const auto deltas = ctx->saved_data["deltas"].toTensorVector();
     if (needed[0]) result[0] = at::zeros_like(grad);
     int64_t at_t = 0, at_p = 1 + nf;
     const int64_t at_h = 1 + nf + np;
@@ -271,15 +275,23 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
     // pre-activations have one only under a force loss.
     ctx->set_materialize_grads(false);
     const auto groups = make_groups(atoms, sizes, columns, first, packs, layers, aev.size(1));
-    std::vector<at::Tensor> pre, post, values;
-    for (const Group& g : groups)
-      values.push_back(group_values(g, aev, members, small, activation, &pre, &post));
+    // Each group's inputs, kept for the layer-1 weight gradient: the rows of
+    // all groups in one gather, then each group's columns.
+    const std::vector<at::Tensor> rows = aev.index_select(0, atoms).split_with_sizes(sizes);
+    std::vector<at::Tensor> inputs, pre, post, values;
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const Group& g = groups[gi];
+      inputs.push_back(g.all_columns ? rows[gi] : rows[gi].index_select(1, g.cols));
+      values.push_back(group_values(g, inputs.back(), members, small, activation, &pre, &post));
+    }
     at::Tensor out = at::zeros({members, aev.size(0)}, aev.options());
     if (!values.empty()) out.index_copy_(1, atoms, at::cat(values, 1));
     std::vector<at::Tensor> saved{aev};
     saved.insert(saved.end(), first.begin(), first.end());
     saved.insert(saved.end(), packs.begin(), packs.end());
     saved.insert(saved.end(), pre.begin(), pre.end());  // outputs: saved without a cycle
+    saved.insert(saved.end(), post.begin(), post.end());  // intermediates (see InputGrad)
+    saved.insert(saved.end(), inputs.begin(), inputs.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["atoms"] = atoms;
     ctx->saved_data["sizes"] = sizes;
@@ -288,7 +300,6 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
     ctx->saved_data["members"] = members;
     ctx->saved_data["small"] = small;
     ctx->saved_data["activation"] = activation;
-    ctx->saved_data["post"] = post;
     tensor_list outputs{out};
     outputs.insert(outputs.end(), pre.begin(), pre.end());
     return outputs;
@@ -306,14 +317,19 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
     const int64_t members = ctx->saved_data["members"].toInt();
     const int64_t small = ctx->saved_data["small"].toInt();
     const int64_t activation = ctx->saved_data["activation"].toInt();
-    const auto post = ctx->saved_data["post"].toTensorVector();
     const int64_t nf = static_cast<int64_t>(sizes.size());
-    int64_t np = 0;
-    for (int64_t l : layers) np += 2 * l - 1;
+    int64_t np = 0, nh = 0;
+    for (int64_t l : layers) {
+      np += 2 * l - 1;
+      nh += l - 1;
+    }
     const at::Tensor& aev = saved[0];
     const std::vector<at::Tensor> first(saved.begin() + 1, saved.begin() + 1 + nf);
     const std::vector<at::Tensor> packs(saved.begin() + 1 + nf, saved.begin() + 1 + nf + np);
-    const std::vector<at::Tensor> pre(saved.begin() + 1 + nf + np, saved.end());
+    const auto at = saved.begin() + 1 + nf + np;
+    const std::vector<at::Tensor> pre(at, at + nh), post(at + nh, at + 2 * nh),
+        inputs(at + 2 * nh, saved.end());
+    const std::vector<at::Tensor> differentiable(saved.begin(), at);  // aev, first, packs
     // Output edges: aev 0, atoms 1, first 2.., packs 2+nf..
     std::vector<bool> needed{ctx->needs_input_grad(0)};
     bool any_weight = false;
@@ -342,7 +358,7 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
         std::vector<at::Tensor> outs, gs;
         std::vector<at::Tensor> re_pre, re_post;
         for (const Group& g : groups) {
-          outs.push_back(group_values(g, aev, members, small, activation, &re_pre, &re_post));
+          outs.push_back(group_values(g, g.gather(aev), members, small, activation, &re_pre, &re_post));
           gs.push_back(grad.index_select(1, g.atoms));
         }
         for (size_t i = 1; i < grads.size(); ++i) {
@@ -350,7 +366,7 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
           outs.push_back(re_pre[i - 1]);
           gs.push_back(grads[i]);
         }
-        const auto w = recorded_grads(outs, gs, saved, rest);
+        const auto w = recorded_grads(outs, gs, differentiable, rest);
         for (size_t i = 0; i < result.size(); ++i)
           if (rest[i]) result[i] = w[i];
       }
@@ -370,7 +386,7 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
           if (grads[1 + at_t + t - 1].defined()) delta = delta + grads[1 + at_t + t - 1];
         }
         const at::Tensor d = delta.transpose(0, 1).reshape({n, -1});
-        if (needed[1 + gi]) result[1 + gi] = g.gather(aev).t().mm(d);
+        if (needed[1 + gi]) result[1 + gi] = inputs[gi].t().mm(d);
         if (needed[at_p]) result[at_p] = d.sum(0);
         if (needed[0]) g.scatter_into(result[0], d.mm(g.w1.t()));
         at_t += L - 1;

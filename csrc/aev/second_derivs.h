@@ -266,13 +266,15 @@ TF_HOST_DEVICE void angle_terms(const ConstView<scalar_t>& k, const Triple<scala
     const scalar_t base = (scalar_t(1) + cdev) / scalar_t(2);
     // d cos(acos(c) - ts)/dc and its derivative -sin(ts) / (1 - c^2)^(3/2).
     const scalar_t d1 = k.cos_z[z] - t.c / s * k.sin_z[z];
-    const scalar_t pw1 = m_pow(base, zeta - scalar_t(1));
+    const bool from_pw2 = d2f1 != nullptr && zeta >= scalar_t(2);
+    const scalar_t pw2 = from_pw2 ? m_pow(base, zeta - scalar_t(2)) : scalar_t(0);
+    const scalar_t pw1 = from_pw2 ? pw2 * base : m_pow(base, zeta - scalar_t(1));
     f1[z] = scalar_t(2) * pw1 * base;
     df1[z] = zeta * pw1 * d1;
     if (d2f1) {
       const scalar_t d2 = -k.sin_z[z] / (s * s * s);
-      d2f1[z] = zeta * (zeta - scalar_t(1)) / scalar_t(2) * m_pow(base, zeta - scalar_t(2)) *
-                    d1 * d1 +
+      d2f1[z] = zeta * (zeta - scalar_t(1)) / scalar_t(2) *
+                    (from_pw2 ? pw2 : m_pow(base, zeta - scalar_t(2))) * d1 * d1 +
                 zeta * pw1 * d2;
     }
   }

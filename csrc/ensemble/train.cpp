@@ -76,6 +76,67 @@ std::vector<Group> make_groups(const at::Tensor& atoms, at::IntArrayRef sizes,
   return groups;
 }
 
+// What both Functions saved, unpacked: a leading tensor (the AEV or the
+// incoming gradient), the layer-1 weights, the packs, then `lists` lists of one
+// tensor per hidden transition of every group, then the rest; and the
+// arguments kept in saved_data.
+struct Saved {
+  std::vector<at::Tensor> all, first, packs, rest;
+  std::vector<std::vector<at::Tensor>> lists;
+  std::vector<int64_t> sizes, layers;
+  std::vector<at::Tensor> columns;
+  at::Tensor atoms;
+  int64_t members, activation, nf, np = 0, nh = 0;
+
+  Saved(AutogradContext* ctx, int lists_count) : all(ctx->get_saved_variables()) {
+    sizes = ctx->saved_data["sizes"].toIntVector();
+    layers = ctx->saved_data["layers"].toIntVector();
+    columns = ctx->saved_data["columns"].toTensorVector();
+    atoms = ctx->saved_data["atoms"].toTensor();
+    members = ctx->saved_data["members"].toInt();
+    activation = ctx->saved_data["activation"].toInt();
+    nf = static_cast<int64_t>(sizes.size());
+    for (int64_t l : layers) {
+      np += 2 * l - 1;
+      nh += l - 1;
+    }
+    first.assign(all.begin() + 1, all.begin() + 1 + nf);
+    packs.assign(all.begin() + 1 + nf, all.begin() + 1 + nf + np);
+    auto at = all.begin() + 1 + nf + np;
+    for (int i = 0; i < lists_count; ++i, at += nh) lists.emplace_back(at, at + nh);
+    rest.assign(at, all.end());
+  }
+  // What the forwards save, in this layout (the last of `tensors` may be the rest).
+  static void save(AutogradContext* ctx, const at::Tensor& lead, at::TensorList first,
+                   at::TensorList packs, std::initializer_list<const std::vector<at::Tensor>*> tensors,
+                   const at::Tensor& atoms, const std::vector<int64_t>& sizes,
+                   const std::vector<at::Tensor>& columns, const std::vector<int64_t>& layers,
+                   int64_t members, int64_t activation) {
+    // Intermediates too are saved variables, not saved_data: the engine frees
+    // them once the node's backward ran (unless retain_graph), as it does
+    // autograd's own; outputs among them are saved without a reference cycle.
+    std::vector<at::Tensor> saved{lead};
+    saved.insert(saved.end(), first.begin(), first.end());
+    saved.insert(saved.end(), packs.begin(), packs.end());
+    for (const auto* list : tensors) saved.insert(saved.end(), list->begin(), list->end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["atoms"] = atoms;
+    ctx->saved_data["sizes"] = sizes;
+    ctx->saved_data["columns"] = columns;
+    ctx->saved_data["layers"] = layers;
+    ctx->saved_data["members"] = members;
+    ctx->saved_data["activation"] = activation;
+  }
+  const at::Tensor& lead() const { return all[0]; }
+  // The leading tensor, the weights and the first `count` lists.
+  std::vector<at::Tensor> prefix(int count) const {
+    return std::vector<at::Tensor>(all.begin(), all.begin() + 1 + nf + np + count * nh);
+  }
+  std::vector<Group> groups(int64_t features) const {
+    return make_groups(atoms, sizes, columns, first, packs, layers, features);
+  }
+};
+
 // A group's values (members, n) at its inputs x (n, K_g) in differentiable ATen
 // ops (the same ops as the forward); with `pre`/`post`, its pre-activations and
 // activations are appended.
@@ -153,21 +214,9 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
       deltas.insert(deltas.end(), g_deltas.begin(), g_deltas.end());
       at_t += g.layers - 1;
     }
-    std::vector<at::Tensor> saved{grad};
-    saved.insert(saved.end(), first.begin(), first.end());
-    saved.insert(saved.end(), packs.begin(), packs.end());
-    saved.insert(saved.end(), pre.begin(), pre.end());
-    // Intermediates too are saved variables, not saved_data: the engine frees
-    // them once this backward ran (unless retain_graph), as it does autograd's own.
-    saved.insert(saved.end(), above.begin(), above.end());
-    saved.insert(saved.end(), deltas.begin(), deltas.end());
-    ctx->save_for_backward(saved);
-    ctx->saved_data["atoms"] = atoms;
-    ctx->saved_data["sizes"] = sizes;
-    ctx->saved_data["columns"] = columns;
-    ctx->saved_data["layers"] = layers;
-    ctx->saved_data["members"] = members;
-    ctx->saved_data["activation"] = activation;
+    const std::vector<at::Tensor> pre_list(pre.begin(), pre.end());
+    Saved::save(ctx, grad, first, packs, {&pre_list, &above, &deltas}, atoms, sizes, columns,
+                layers, members, activation);
     ctx->saved_data["features"] = features;
     return result;
   }
@@ -178,28 +227,15 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
   // pre-activation (sigma''(h) hd delta_above W^T; the primal path's own
   // products are TrainFunction's).
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto sizes = ctx->saved_data["sizes"].toIntVector();
-    const auto columns = ctx->saved_data["columns"].toTensorVector();
-    const auto layers = ctx->saved_data["layers"].toIntVector();
-    const int64_t members = ctx->saved_data["members"].toInt();
-    const int64_t activation = ctx->saved_data["activation"].toInt();
-    const int64_t features = ctx->saved_data["features"].toInt();
-    const int64_t nf = static_cast<int64_t>(sizes.size());
-    int64_t np = 0, nh = 0;
-    for (int64_t l : layers) {
-      np += 2 * l - 1;
-      nh += l - 1;
-    }
-    const at::Tensor& grad = saved[0];
-    const std::vector<at::Tensor> first(saved.begin() + 1, saved.begin() + 1 + nf);
-    const std::vector<at::Tensor> packs(saved.begin() + 1 + nf, saved.begin() + 1 + nf + np);
-    const auto at = saved.begin() + 1 + nf + np;
-    const std::vector<at::Tensor> pre(at, at + nh), above(at + nh, at + 2 * nh),
-        deltas(at + 2 * nh, at + 3 * nh);
-    const std::vector<at::Tensor> inputs(saved.begin(), at + nh);  // grad, first, packs, pre
-    const auto groups = make_groups(ctx->saved_data["atoms"].toTensor(), sizes, columns, first,
-                                    packs, layers, features);
+    const Saved sv(ctx, 3);  // lists: pre, above, deltas
+    const int64_t members = sv.members, activation = sv.activation;
+    const int64_t nf = sv.nf, np = sv.np, nh = sv.nh;
+    const at::Tensor& grad = sv.lead();
+    const std::vector<at::Tensor>& pre = sv.lists[0];
+    const std::vector<at::Tensor>& above = sv.lists[1];
+    const std::vector<at::Tensor>& deltas = sv.lists[2];
+    const std::vector<at::Tensor> inputs = sv.prefix(1);  // grad, first, packs, pre
+    const auto groups = sv.groups(ctx->saved_data["features"].toInt());
     // Output edges: grad 0, atoms 1, first 2.., packs, pre.
     std::vector<bool> needed{ctx->needs_input_grad(0)};
     for (int64_t i = 0; i < nf + np + nh; ++i) needed.push_back(ctx->needs_input_grad(2 + i));
@@ -286,20 +322,9 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
     }
     at::Tensor out = at::zeros({members, aev.size(0)}, aev.options());
     if (!values.empty()) out.index_copy_(1, atoms, at::cat(values, 1));
-    std::vector<at::Tensor> saved{aev};
-    saved.insert(saved.end(), first.begin(), first.end());
-    saved.insert(saved.end(), packs.begin(), packs.end());
-    saved.insert(saved.end(), pre.begin(), pre.end());  // outputs: saved without a cycle
-    saved.insert(saved.end(), post.begin(), post.end());  // intermediates (see InputGrad)
-    saved.insert(saved.end(), inputs.begin(), inputs.end());
-    ctx->save_for_backward(saved);
-    ctx->saved_data["atoms"] = atoms;
-    ctx->saved_data["sizes"] = sizes;
-    ctx->saved_data["columns"] = columns;
-    ctx->saved_data["layers"] = layers;
-    ctx->saved_data["members"] = members;
+    Saved::save(ctx, aev, first, packs, {&pre, &post, &inputs}, atoms, sizes, columns, layers,
+                members, activation);
     ctx->saved_data["small"] = small;
-    ctx->saved_data["activation"] = activation;
     tensor_list outputs{out};
     outputs.insert(outputs.end(), pre.begin(), pre.end());
     return outputs;
@@ -309,27 +334,16 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
   // pre-activations' (from InputGrad's backward), added by the engine: one
   // pass back through the networks for both.
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor atoms = ctx->saved_data["atoms"].toTensor();
-    const auto sizes = ctx->saved_data["sizes"].toIntVector();
-    const auto columns = ctx->saved_data["columns"].toTensorVector();
-    const auto layers = ctx->saved_data["layers"].toIntVector();
-    const int64_t members = ctx->saved_data["members"].toInt();
+    const Saved sv(ctx, 2);  // lists: pre, post; the rest: each group's inputs
+    const int64_t members = sv.members, activation = sv.activation;
     const int64_t small = ctx->saved_data["small"].toInt();
-    const int64_t activation = ctx->saved_data["activation"].toInt();
-    const int64_t nf = static_cast<int64_t>(sizes.size());
-    int64_t np = 0, nh = 0;
-    for (int64_t l : layers) {
-      np += 2 * l - 1;
-      nh += l - 1;
-    }
-    const at::Tensor& aev = saved[0];
-    const std::vector<at::Tensor> first(saved.begin() + 1, saved.begin() + 1 + nf);
-    const std::vector<at::Tensor> packs(saved.begin() + 1 + nf, saved.begin() + 1 + nf + np);
-    const auto at = saved.begin() + 1 + nf + np;
-    const std::vector<at::Tensor> pre(at, at + nh), post(at + nh, at + 2 * nh),
-        inputs(at + 2 * nh, saved.end());
-    const std::vector<at::Tensor> differentiable(saved.begin(), at);  // aev, first, packs
+    const int64_t nf = sv.nf, np = sv.np;
+    const at::Tensor& aev = sv.lead();
+    const at::Tensor& atoms = sv.atoms;
+    const std::vector<at::Tensor>& pre = sv.lists[0];
+    const std::vector<at::Tensor>& post = sv.lists[1];
+    const std::vector<at::Tensor>& inputs = sv.rest;
+    const std::vector<at::Tensor> differentiable = sv.prefix(0);  // aev, first, packs
     // Output edges: aev 0, atoms 1, first 2.., packs 2+nf..
     std::vector<bool> needed{ctx->needs_input_grad(0)};
     bool any_weight = false;
@@ -341,7 +355,7 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
     bool pre_grads = false;
     for (size_t i = 1; i < grads.size(); ++i) pre_grads = pre_grads || grads[i].defined();
     std::vector<at::Tensor> result(needed.size());  // aev, first..., packs...
-    const auto groups = make_groups(atoms, sizes, columns, first, packs, layers, aev.size(1));
+    const auto groups = sv.groups(aev.size(1));
     if (at::GradMode::is_enabled()) {
       // create_graph=True. For forces (the values' gradient only, to the AEV):
       // InputGrad, whose second derivative is written out. Anything else
@@ -349,9 +363,9 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
       // derivative) differentiates a recorded recomputation.
       std::vector<bool> rest(needed);
       if (needed[0] && !pre_grads) {
-        result[0] = InputGrad::apply(grad, atoms, sizes, columns, at::TensorList(first),
-                                     at::TensorList(packs), at::TensorList(pre), layers, members,
-                                     activation, aev.size(1));
+        result[0] = InputGrad::apply(grad, atoms, sv.sizes, sv.columns, at::TensorList(sv.first),
+                                     at::TensorList(sv.packs), at::TensorList(pre), sv.layers,
+                                     members, activation, aev.size(1));
         rest[0] = false;
       }
       if (any_weight || rest[0]) {

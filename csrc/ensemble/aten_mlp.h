@@ -6,6 +6,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/TensorIterator.h>
 
 #include <vector>
 
@@ -47,11 +49,41 @@ inline at::Tensor activation_second(const at::Tensor& grad, const at::Tensor& pr
 // sigma''(pre) * tangent * above, given tangent_out = sigma'(pre) * tangent
 // (activation_backward(tangent, pre)): for CELU sigma'' = c sigma' below 0 and
 // 0 above, which saves the exponential.
+// On the CPU CELU's is one pass (TensorIterator) instead of four ATen ops.
 inline at::Tensor activation_second_along(const at::Tensor& above, const at::Tensor& tangent,
                                           const at::Tensor& tangent_out, const at::Tensor& pre,
                                           int64_t activation) {
   if (activation == kActivationGelu) return activation_second(above * tangent, pre, activation);
-  return (tangent_out * above).mul_(celu_input_scale()).masked_fill_(pre.gt(0), 0);
+  if (!above.is_cpu())
+    return (tangent_out * above).mul_(celu_input_scale()).masked_fill_(pre.gt(0), 0);
+  at::Tensor out;  // allocated by the iterator, in the inputs' memory order
+  auto iter = at::TensorIteratorConfig()
+                  .add_output(out)
+                  .add_const_input(tangent_out)
+                  .add_const_input(above)
+                  .add_const_input(pre)
+                  .build();
+  AT_DISPATCH_FLOATING_TYPES(above.scalar_type(), "celu_second_along", [&] {
+    const scalar_t c = static_cast<scalar_t>(celu_input_scale());
+    iter.for_each([c](char** data, const int64_t* strides, int64_t n) {
+      constexpr int64_t size = sizeof(scalar_t);
+      if (strides[0] == size && strides[1] == size && strides[2] == size && strides[3] == size) {
+        scalar_t* out = reinterpret_cast<scalar_t*>(data[0]);
+        const scalar_t* t = reinterpret_cast<const scalar_t*>(data[1]);
+        const scalar_t* a = reinterpret_cast<const scalar_t*>(data[2]);
+        const scalar_t* p = reinterpret_cast<const scalar_t*>(data[3]);
+        for (int64_t i = 0; i < n; ++i) out[i] = p[i] > 0 ? scalar_t(0) : t[i] * a[i] * c;
+        return;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const scalar_t t = *reinterpret_cast<const scalar_t*>(data[1] + i * strides[1]);
+        const scalar_t a = *reinterpret_cast<const scalar_t*>(data[2] + i * strides[2]);
+        const scalar_t p = *reinterpret_cast<const scalar_t*>(data[3] + i * strides[3]);
+        *reinterpret_cast<scalar_t*>(data[0] + i * strides[0]) = p > 0 ? scalar_t(0) : t * a * c;
+      }
+    });
+  });
+  return iter.output();
 }
 
 // Layer 1 of all `members`, (members, n, d1), from x (n, K), w1 (K, members*d1),

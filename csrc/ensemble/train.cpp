@@ -22,6 +22,7 @@
 
 #include <vector>
 
+#include "common/parallel.h"
 #include "ensemble/aten_mlp.h"
 #include "ops.h"
 
@@ -45,13 +46,32 @@ struct Group {
     const at::Tensor rows = t.index_select(0, atoms);
     return all_columns ? rows : rows.index_select(1, cols);
   }
-  // Set this group's rows and columns of `into` (atoms, features, zero there) to `val`.
+  // Set this group's rows and columns of `into` (atoms, features, zero there)
+  // to `val`: on the CPU one pass, elsewhere through a zeroed (n, features) copy.
   void scatter_into(at::Tensor& into, const at::Tensor& val) const {
     if (all_columns) {
       into.index_copy_(0, atoms, val);
-    } else {
-      into.index_copy_(0, atoms, val.new_zeros({val.size(0), into.size(1)}).index_copy_(1, cols, val));
+      return;
     }
+    if (!(into.is_cpu() && into.is_contiguous())) {
+      into.index_copy_(0, atoms, val.new_zeros({val.size(0), into.size(1)}).index_copy_(1, cols, val));
+      return;
+    }
+    const at::Tensor v = val.contiguous(), a = atoms.contiguous(), c = cols.contiguous();
+    const int64_t features = into.size(1), used = c.numel();
+    AT_DISPATCH_FLOATING_TYPES(into.scalar_type(), "ensemble_train_scatter", [&] {
+      scalar_t* out = into.data_ptr<scalar_t>();
+      const scalar_t* src = v.data_ptr<scalar_t>();
+      const int64_t* rows = a.data_ptr<int64_t>();
+      const int64_t* columns = c.data_ptr<int64_t>();
+      torchani_fast::parallel_for(0, v.size(0), 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          scalar_t* dst = out + rows[r] * features;
+          const scalar_t* row = src + r * used;
+          for (int64_t j = 0; j < used; ++j) dst[columns[j]] = row[j];
+        }
+      });
+    });
   }
   const at::Tensor& weight(int64_t t) const { return packs[2 * t - 1]; }  // W_{t+1}, (k, d_t, d_{t+1})
 };
@@ -438,6 +458,9 @@ at::Tensor ensemble_train(const at::Tensor& aev, const at::Tensor& atoms, at::In
     TORCH_CHECK(sizes[g] >= 0, "ensemble_train: sizes[", g, "] = ", sizes[g], " is negative");
     TORCH_CHECK(layers[g] >= 1, "ensemble_train: layers[", g, "] = ", layers[g],
                 " is not a number of layers");
+    TORCH_CHECK(columns[g].dim() == 1 && columns[g].scalar_type() == at::kLong,
+                "ensemble_train: columns[", g, "] must be a 1-D int64 tensor, got ",
+                columns[g].sizes(), " ", columns[g].scalar_type());
     TORCH_CHECK(first[g].dim() == 2 && first[g].size(0) == columns[g].numel(),
                 "ensemble_train: first[", g, "] must be (", columns[g].numel(),
                 ", members * d1) for its columns, got ", first[g].sizes());

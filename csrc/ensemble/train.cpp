@@ -281,6 +281,7 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
       const Group& g = groups[gi];
       const int64_t L = g.layers, n = g.atoms.size(0);
       const at::Tensor vg = g.gather(v);
+      const at::Tensor grad_y = grad.index_select(1, g.atoms).unsqueeze(2);  // (k, n, 1)
       // The tangent along v: hd_t = d h_t, ad_t = sigma'(h_t) hd_t.
       at::Tensor hd = vg.mm(g.w1).view({n, members, -1}).transpose(0, 1);
       for (int64_t t = 1; t < L; ++t) {
@@ -290,14 +291,13 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
           result[at_h + at_t + t - 1] =
               activation_second_along(above[at_t + t - 1], hd, ad, h, activation);
         }
-        const at::Tensor& delta_above =
-            t == L - 1 ? grad.index_select(1, g.atoms).unsqueeze(2) : deltas[at_t + t];
+        const at::Tensor& delta_above = t == L - 1 ? grad_y : deltas[at_t + t];
         if (needed[at_p + 2 * t - 1]) result[at_p + 2 * t - 1] = at::bmm(ad.transpose(1, 2), delta_above);
         hd = at::bmm(ad, g.weight(t));
       }
       if (needed[0]) result[0].index_copy_(1, g.atoms, hd.reshape({members, n}));
       if (needed[1 + gi]) {  // delta_1: the incoming gradient itself for a single layer
-        const at::Tensor delta1 = L == 1 ? grad.index_select(1, g.atoms).unsqueeze(2) : deltas[at_t];
+        const at::Tensor& delta1 = L == 1 ? grad_y : deltas[at_t];
         result[1 + gi] = vg.t().mm(delta1.transpose(0, 1).reshape({n, -1}));
       }
       at_t += L - 1;

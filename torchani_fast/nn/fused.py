@@ -30,7 +30,7 @@ from .grouping import composition_groups, groups
 from .layout import (_activation_of, _aev_layout, _Layout, _zero_blocks_mean_no_neighbors,
                      charge_unsupported_reason, linears as _linears, unsupported_reason)
 from .packing import OpArgs, _WeightPacks
-from .training import first_layer_pack, hidden_packs
+from .training import element_packs, first_layer_weights, select_columns
 from .recompute import (RECOMPUTE_MIN_BYTES, RECOMPUTE_MIN_BYTES_GPU, _device_budget, _mlp_values,
                         _Recompute)
 
@@ -290,19 +290,24 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         (training.py), with the weight gradients and the force loss's second
         derivatives written out instead of recorded op by op."""
         ws = self._member_weights()
-        hidden = hidden_packs(ws, act, self.num_species, self.num_layers, self.layer_biases,
-                              self.output_row)
+        # Packed once per element present (an element may have two groups), not
+        # for the elements of the model that this call has no atoms of.
+        w1s: tp.Dict[int, Tensor] = {}
+        hidden: tp.Dict[int, tp.List[Tensor]] = {}
         columns: tp.List[Tensor] = []
         first: tp.List[Tensor] = []
         packs: tp.List[Tensor] = []
         layers: tp.List[int] = []
         for g in range(len(group_size)):
             e = group_elem[g]
+            if e not in hidden:
+                w1s[e] = first_layer_weights(ws, act, e)
+                hidden[e] = element_packs(ws, act, e, self.num_layers[e], self.layer_biases[e],
+                                          self.output_row)
             cols = self._column_index(group_mask[g], aev.device)
             columns.append(cols)
-            first.append(first_layer_pack(ws, act, e, cols, cols.shape[0] == self.in_dim))
-            o = self.offsets[e]
-            packs.extend(hidden[o:o + 2 * self.num_layers[e] - 1])
+            first.append(select_columns(w1s[e], cols, cols.shape[0] == self.in_dim))
+            packs.extend(hidden[e])
             layers.append(self.num_layers[e])
         return torch.ops.torchani_fast.ensemble_train(
             aev, atoms, group_size, columns, first, packs, layers, len(act), self.small_group_atoms,

@@ -6,14 +6,17 @@ process and in alternating rounds:
 - ``bare``: ``torchani_fast.models.energies_forces(model, species, coords)`` on
   tensors built once, the positions copied in from the same trajectory the MD
   runs visit (so the neighbour list and caches see moving atoms too);
+- ``EnergyForcesStep``: the same frames through a
+  :class:`torchani_fast.step.GrowingStep` (what the calculator evaluates
+  molecules with; built once, outside the timing);
 - ``calculator``: ``atoms.get_forces()`` with torchani_fast's ASE calculator
   after the positions moved (ASE's state check, the tensors, the one copy of the
   results back);
 - ``VelocityVerlet``: ms per step of ``ase.md.verlet.VelocityVerlet.run`` (what
   ``torchani-fast md --ensemble nve`` runs, without its trajectory writer);
-- ``torchani-fast md``: the CLI itself, ms per step from two runs of different
-  length (so start-up, model loading and the writer's first frame cancel),
-  writing a frame every 100 steps.
+- ``torchani-fast md``: the CLI itself (a subprocess per round, with
+  ``OMP_NUM_THREADS`` set to the threads), the ms per step it reports for its
+  MD loop, writing a frame and a log line every 100 steps.
 
 The overhead columns are (calculator - bare) / bare and (MD step - bare) / bare.
 
@@ -21,6 +24,7 @@ The overhead columns are (calculator - bare) / bare and (MD step - bare) / bare.
 """
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -75,6 +79,20 @@ def bare_ms(model, numbers, frames, dtype):
     return (time.perf_counter() - t) / len(frames) * 1e3
 
 
+def step_ms(model, numbers, frames, dtype):
+    """The same frames through an EnergyForcesStep (what the calculator runs for a molecule)."""
+    from torchani_fast.step import GrowingStep
+
+    species = torch.tensor(numbers, dtype=torch.long).unsqueeze(0)
+    coords = torch.tensor(frames[0], dtype=dtype).unsqueeze(0)
+    step = GrowingStep(model, species, coords)
+    t = time.perf_counter()
+    for f in frames:
+        coords.copy_(torch.from_numpy(f).unsqueeze(0))
+        step(coords)
+    return (time.perf_counter() - t) / len(frames) * 1e3
+
+
 def calculator_ms(atoms, calc, frames):
     atoms.calc = calc
     t = time.perf_counter()
@@ -94,20 +112,20 @@ def verlet_ms(atoms, calc, steps):
 
 
 def cli_ms(path, dtype, steps, threads):
-    """ms/step of `torchani-fast md` from a short and a long run (start-up cancels)."""
-    def run(n):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "md.xyz"
-            cmd = [sys.executable, "-m", "torchani_fast.cli", "md", str(path), "--steps", str(n),
-                   "--dt", "0.5", "--dtype", dtype, "--interval", "100", "--seed", "0",
-                   "--no-progress", "-o", str(out)]
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-            t = time.perf_counter()
-            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            return time.perf_counter() - t
-
-    short, long = run(steps // 5), run(steps)
-    return (long - short) / (steps - steps // 5) * 1e3
+    """ms/step of `torchani-fast md` as the CLI reports it (the MD loop's own
+    wall time over its steps: start-up, model loading and the last report are
+    outside it; the first frame and every writer and log call are inside)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "md.xyz"
+        cmd = [sys.executable, "-m", "torchani_fast.cli", "md", str(path), "--steps", str(steps),
+               "--dt", "0.5", "--dtype", dtype, "--interval", "100", "--seed", "0",
+               "--no-progress", "-o", str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        done = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    found = re.search(r"([0-9.]+) ms/step", done.stdout)
+    if found is None:
+        raise RuntimeError(f"no ms/step in the output of {' '.join(cmd)}:\n{done.stdout}")
+    return float(found.group(1))
 
 
 def main(argv=None):
@@ -127,17 +145,19 @@ def main(argv=None):
     calc = model.ase()
     frames = _trajectory(atoms, model.ase(), args.steps)
 
-    rows = {"bare": [], "calculator": [], "VelocityVerlet": []}
+    rows = {"bare": [], "EnergyForcesStep": [], "calculator": [], "VelocityVerlet": []}
+    if not args.no_cli:
+        rows["torchani-fast md"] = []
     bare_ms(model, atoms.numbers, frames[:10], dtype)  # warm-up
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # every row once per round, so drifts of the machine's load hit all
         rows["bare"].append(bare_ms(model, atoms.numbers, frames, dtype))
+        rows["EnergyForcesStep"].append(step_ms(model, atoms.numbers, frames, dtype))
         rows["calculator"].append(calculator_ms(atoms.copy(), calc, frames))
         md_atoms = atoms.copy()
         MaxwellBoltzmannDistribution(md_atoms, temperature_K=300, rng=np.random.default_rng(0))
         rows["VelocityVerlet"].append(verlet_ms(md_atoms, calc, args.steps))
-    if not args.no_cli:
-        rows["torchani-fast md"] = [cli_ms(args.system, args.dtype, 5 * args.steps, args.threads)
-                                    for _ in range(max(1, args.rounds // 2))]
+        if not args.no_cli:
+            rows["torchani-fast md"].append(cli_ms(args.system, args.dtype, 5 * args.steps, args.threads))
 
     bare = statistics.median(rows["bare"])
     load = os.getloadavg()[0]

@@ -290,3 +290,66 @@ def test_calculator_recomputes_exactly_when_the_atoms_change(pair1):
     atoms.positions[0, 0] += 1e-6
     atoms.get_forces()
     assert atoms.calc.evaluations == 2
+
+
+def _torchani_ev(ref, atoms):
+    """Energy (eV) and forces (eV/Å) from TorchANI's own calculator."""
+    a = atoms.copy()
+    a.calc = torchani.ase.Calculator(ref)
+    return a.get_potential_energy(), a.get_forces()
+
+
+def test_molecules_go_through_a_step_that_makes_room_for_denser_geometries(pair1):
+    """A molecule is evaluated by a GrowingStep sized on its first geometry; a
+    denser one overflows that list, gets a step with room and is recomputed;
+    other atoms get their own step. Every answer is TorchANI's."""
+    ref, fast = pair1
+    ligand = read_molecule("2iuz_ligand.xyz")
+    stretched = ligand.copy()
+    stretched.positions *= 1.8  # far fewer pairs within 5.2 Å than the ligand itself
+    calc = Calculator(fast)
+    for geometry in (stretched, ligand):
+        geometry.calc = calc
+        e, f = geometry.get_potential_energy(), geometry.get_forces()
+        e_ref, f_ref = _torchani_ev(ref, geometry)
+        assert e == pytest.approx(e_ref, rel=1e-12)
+        np.testing.assert_allclose(f, f_ref, rtol=0, atol=1e-9)
+    assert calc._step.builds == 2 and calc.evaluations == 2
+    first = calc._step
+    other = read_molecule("3lka_ligand.xyz")
+    other.calc = calc
+    e_ref, f_ref = _torchani_ev(ref, other)
+    assert other.get_potential_energy() == pytest.approx(e_ref, rel=1e-12)
+    np.testing.assert_allclose(other.get_forces(), f_ref, rtol=0, atol=1e-9)
+    assert calc._step is not first and calc._step.builds == 1
+
+
+def test_molecule_step_sees_weights_and_self_energies_changed_in_place(pair1):
+    """The calculator keeps a step between calls: parameters and self-energies
+    changed in place afterwards (an optimizer step, load_state_dict) are used."""
+    import copy
+
+    ref, fast = (copy.deepcopy(m) for m in pair1)
+    atoms = read_molecule("3lka_ligand.xyz")
+    atoms.calc = Calculator(fast)
+    atoms.get_potential_energy()
+    with torch.no_grad():
+        for model in (ref, fast):
+            for p in model.parameters():
+                p.mul_(1.01)
+            model.energy_shifter.self_energies.add_(0.25)
+    atoms.positions[0, 0] += 1e-3
+    e_ref, f_ref = _torchani_ev(ref, atoms)
+    assert atoms.get_potential_energy() == pytest.approx(e_ref, rel=1e-12)
+    np.testing.assert_allclose(atoms.get_forces(), f_ref, rtol=0, atol=1e-9)
+    assert atoms.calc._step.builds == 1
+
+
+def test_non_finite_molecule_positions_are_refused_by_the_step(pair1):
+    atoms = read_molecule("3lka_ligand.xyz")
+    atoms.calc = Calculator(pair1[1])
+    atoms.get_potential_energy()
+    atoms.positions[3, 1] = np.nan
+    with pytest.raises((ValueError, RuntimeError), match="finite"):
+        atoms.get_forces()
+    assert "forces" not in atoms.calc.results

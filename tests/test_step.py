@@ -79,6 +79,32 @@ def test_step_overflow_and_bad_coordinates_raise():
         step(coords * 0.6)
 
 
+def test_growing_step_makes_room_instead_of_raising():
+    """The squeezed molecule above, through a GrowingStep: the overflowing call
+    is recomputed by a step with room, TorchANI's numbers; the pair count of a
+    non-finite geometry still raises; ``check_every`` is its own."""
+    from torchani_fast.step import GrowingStep
+
+    ref, fast = model_pair("ANI2x", torch.float64)
+    species, coords, _, _ = atoms_to_tensors(read_molecule("2iuz_ligand.xyz"))
+    step = GrowingStep(fast, species, coords)
+    assert_matches(step(coords), energy_forces(ref, species, coords), torch.float64)
+    small = step.step.max_pairs
+    squeezed = coords * 0.6
+    assert_matches(step(squeezed), energy_forces(ref, species, squeezed), torch.float64)
+    assert step.builds == 2 and step.step.max_pairs > small
+    assert_matches(step(coords), energy_forces(ref, species, coords), torch.float64)
+    assert step.builds == 2  # room is kept
+    bad = coords.clone()
+    bad[0, 1, 2] = float("inf")
+    with pytest.raises(RuntimeError, match="finite"):
+        step(bad)
+    with pytest.raises(TypeError, match="check_every"):
+        GrowingStep(fast, species, coords, check_every=5)
+    assert EnergyForcesStep.supports(fast) and not EnergyForcesStep.supports(ref)
+    assert not EnergyForcesStep.supports(torch.jit.script(fast))
+
+
 def test_step_argument_errors():
     ref, fast = model_pair("ANI2x", torch.float64)
     species, coords, _, _ = atoms_to_tensors(read_molecule("2iuz_ligand.xyz"))

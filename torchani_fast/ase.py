@@ -59,19 +59,27 @@ def periodic_cell(atoms: ase.Atoms) -> np.ndarray:
 
 
 def _same(a, b, tol: float) -> bool:
-    """ASE's ``equal(a, b, atol=tol)`` (``np.allclose``, rtol 0) without its cost
-    in the common cases: identical arrays, or one difference beyond ``tol``."""
+    """ASE's ``equal(a, b, atol=tol)`` (``np.allclose``, rtol 0) in a few NumPy
+    calls: identical bits are equal unless they hold NaN, integer or bool
+    arrays that differ are not, float arrays are equal when the largest
+    difference is within ``tol``; anything else (NaN, infinities, mixed dtypes)
+    goes to ``np.allclose`` itself."""
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
         return False
-    if np.array_equal(a, b):
-        return True
-    with np.errstate(invalid="ignore"):
-        diff = a.astype(np.float64, copy=False) - b.astype(np.float64, copy=False)
-        largest = np.abs(diff).max() if a.size else 0.0
-    if largest > tol:  # finite and beyond tol, or infinite: allclose says False too
-        return False
-    return bool(np.allclose(a, b, rtol=0, atol=tol))  # NaN, inf - inf, or within tol
+    if a.dtype == b.dtype:
+        kind = a.dtype.kind
+        if a.tobytes() == b.tobytes():
+            return kind not in "fc" or not np.isnan(a).any()
+        if kind in "biu":
+            return False
+        if kind == "f":
+            largest = np.abs(a - b).max()
+            if largest > tol:  # beyond tol: allclose says False too (inf - x included)
+                return False
+            if largest <= tol:
+                return True
+    return bool(np.allclose(a, b, rtol=0, atol=tol))  # NaN, inf - inf
 
 
 def system_changes(old: tp.Optional[ase.Atoms], new: ase.Atoms, tol: float = 1e-15,
@@ -85,8 +93,11 @@ def system_changes(old: tp.Optional[ase.Atoms], new: ase.Atoms, tol: float = 1e-
     if old is None:
         return all_changes[:]
     checked = set(all_changes) - set(excluded)
-    changes = [prop for prop in ("cell", "pbc")
-               if prop in checked and not _same(getattr(old, prop), getattr(new, prop), tol)]
+    changes = []
+    if "cell" in checked and not _same(old.cell.array, new.cell.array, tol):
+        changes.append("cell")
+    if "pbc" in checked and not _same(old.pbc, new.pbc, tol):
+        changes.append("pbc")
     checked -= {"cell", "pbc"}
     arrays1, arrays2 = set(old.arrays), set(new.arrays)
     changes += checked & (arrays1 ^ arrays2)
@@ -94,6 +105,18 @@ def system_changes(old: tp.Optional[ase.Atoms], new: ase.Atoms, tol: float = 1e-
         if not _same(old.arrays[prop], new.arrays[prop], tol):
             changes.append(prop)
     return changes
+
+
+def _steppable(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether non-periodic atoms go through :class:`~torchani_fast.step.GrowingStep`
+    (an eager model patched by torchani_fast whose every part the step evaluates)."""
+    from . import _LEGACY
+
+    if _LEGACY:
+        return False
+    from .step import EnergyForcesStep
+
+    return EnergyForcesStep.supports(model, device)
 
 
 class Calculator(_AseCalculator):
@@ -156,6 +179,7 @@ class Calculator(_AseCalculator):
         # check_state, calculate and the copy of the result (re-entrant, since
         # get_property calls calculate).
         self._lock = threading.RLock()
+        self._directory_made: tp.Optional[str] = None
         self.evaluations = 0
         # Input tensors kept between calls: rebuilt only when what they encode changes.
         self._numbers: tp.Optional[np.ndarray] = None
@@ -168,6 +192,12 @@ class Calculator(_AseCalculator):
         self._eye = torch.eye(3, dtype=self._dtype, device=self._device)
         self._workspace = Workspace()  # the CPU ops' outputs reuse the last call's memory
         self._aev_features = int(getattr(getattr(model, "aev_computer", None), "out_dim", 0))
+        # Non-periodic atoms of an eager patched model: a GrowingStep per species
+        # (built on the first geometry; its input tensor is refilled in place).
+        self._steppable = _steppable(model, self._device)
+        self._step = None
+        self._step_species: tp.Optional[Tensor] = None
+        self._step_x: tp.Optional[Tensor] = None
 
     @property
     def device(self) -> torch.device:
@@ -235,19 +265,68 @@ class Calculator(_AseCalculator):
             self._calculate(atoms, properties, system_changes)
 
     def _calculate(self, atoms, properties, system_changes) -> None:
-        super().calculate(atoms, properties, system_changes)
+        if atoms is not None:
+            self.atoms = atoms.copy()
+        if self._directory_made != self.directory:  # the base's other task (a stat), once per directory
+            super().calculate(None, properties, system_changes)
+            self._directory_made = self.directory
         if self.atoms is None:
             raise ValueError("the calculator is not attached to any Atoms")
         species, elem_idxs = self._species_tensors(self.atoms.numbers)
         cell, pbc = self._cell_tensors(self.atoms)
-        coords = torch.tensor(self.atoms.positions, dtype=self._dtype, device=self._device).unsqueeze(0)
+        coords = None
         if cell is not None:  # also for unpatched models, whose search has no such check
+            coords = self._coords()
             check_periodic_work(species, coords, cell, pbc, float(self.model.cutoff))
         with_stress = cell is not None and self._volume > 0.0
         if "stress" in properties and not with_stress:
             raise PropertyNotImplementedError(
                 "stress needs a periodic cell of non-zero volume (set atoms.pbc and atoms.cell)"
             )
+        n = len(self.atoms)
+        if cell is None and self._steppable:
+            flat = self._stepped(species, self.atoms.positions)
+        else:
+            flat = self._unstepped(self._coords() if coords is None else coords, species, elem_idxs,
+                                   cell, pbc, with_stress, atoms)
+        self.evaluations += 1
+        self.results["energy"] = float(flat[0])
+        self.results["free_energy"] = float(flat[0])
+        self.results["forces"] = flat[1:1 + 3 * n].reshape(n, 3)
+        if with_stress:
+            self.results["stress"] = full_3x3_to_voigt_6_stress(flat[1 + 3 * n:].reshape(3, 3))
+
+    def _stepped(self, species: Tensor, positions: np.ndarray) -> np.ndarray:
+        """[energy, forces...] in eV and eV/Å of non-periodic atoms, from the
+        species' :class:`~torchani_fast.step.GrowingStep`: the positions are
+        copied into the step's input tensor, Hartree -> eV in float64."""
+        if self._step_species is not species:  # new atoms: a step sized on this geometry
+            from .step import GrowingStep
+
+            self._step = None  # (the old one's memory first)
+            self._step_x = torch.tensor(positions, dtype=self._dtype, device=self._device).unsqueeze(0)
+            # (eager on CUDA too: a captured graph would replay the weights it captured)
+            self._step = GrowingStep(self.model, species, self._step_x, cuda_graph=False)
+            self._step_species = species
+        elif self._step_x.device.type == "cpu":
+            np.copyto(self._step_x.numpy()[0], positions)  # (float64 -> the model's dtype)
+        else:
+            self._step_x.copy_(torch.from_numpy(positions).unsqueeze(0))
+        energies, forces = self._step(self._step_x)
+        if energies.device.type == "cpu":
+            flat = np.concatenate((energies.numpy(), forces.numpy().reshape(-1)))
+        else:  # one device -> host copy
+            flat = torch.cat([energies.reshape(1), forces.reshape(-1)]).cpu().numpy()
+        return np.multiply(flat, ase.units.Hartree, dtype=np.float64)
+
+    def _coords(self) -> Tensor:
+        """The positions as a (1, A, 3) tensor of the model's dtype and device."""
+        return torch.tensor(self.atoms.positions, dtype=self._dtype, device=self._device).unsqueeze(0)
+
+    def _unstepped(self, coords: Tensor, species: Tensor, elem_idxs: Tensor, cell: tp.Optional[Tensor],
+                   pbc: tp.Optional[Tensor], with_stress: bool, atoms: tp.Optional[ase.Atoms]) -> np.ndarray:
+        """[energy, forces..., stress (3x3)...] in eV, eV/Å and eV/Å³ through the
+        model's own entry points (periodic atoms, scripted or unpatched models)."""
         if self._overwrite and cell is not None:
             from torchani.utils import map_to_central
 
@@ -260,19 +339,11 @@ class Calculator(_AseCalculator):
         reuse = Workspace.reuses(coords.shape[1], self._aev_features, self._dtype)
         with torch.enable_grad(), self._workspace if reuse else contextlib.nullcontext():
             energy, forces, virial = self._evaluate(species, elem_idxs, coords, cell, pbc)
-        self.evaluations += 1
-
-        n = coords.shape[1]
         parts = [energy.detach().reshape(1), forces.reshape(-1)]
         if with_stress:
             parts.append((virial / self._volume).reshape(-1))
         # One device -> host copy for all results.
-        flat = torch.cat(parts).cpu().numpy().astype(np.float64)
-        self.results["energy"] = float(flat[0])
-        self.results["free_energy"] = float(flat[0])
-        self.results["forces"] = flat[1:1 + 3 * n].reshape(n, 3)
-        if with_stress:
-            self.results["stress"] = full_3x3_to_voigt_6_stress(flat[1 + 3 * n:].reshape(3, 3))
+        return torch.cat(parts).cpu().numpy().astype(np.float64)
 
     def _evaluate(self, species: Tensor, elem_idxs: Tensor, coords: Tensor,
                   cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor]):

@@ -412,7 +412,7 @@ def _run_md(args) -> int:
     e_end = atoms.get_total_energy()
     ns_day = args.steps * args.dt * 1e-6 / max(seconds, 1e-9) * 86400
     print(f"{args.steps} {args.ensemble} steps of {args.dt} fs on {len(atoms)} atoms in {seconds:.1f} s "
-          f"({ns_day:.2f} ns/day); Etot {e_start:.6f} -> {e_end:.6f} eV "
+          f"({ns_day:.2f} ns/day, {1e3 * seconds / max(args.steps, 1):.3f} ms/step); Etot {e_start:.6f} -> {e_end:.6f} eV "
           f"(change {e_end - e_start:+.2e} eV), final T {atoms.get_temperature():.1f} K")
     print(f"trajectory: {args.output}  log: {log_path}")
     return 0

@@ -25,9 +25,11 @@ call holds the step's lock from the input copy to the pair-count check, and
 the calls run one after another. A pair count read by a call is always that
 call's own.
 
-The step uses the model's parameters as they are when it is built (packed
-weights are kept alive by the step): build a new step after changing the
-model (weights, dtype, device, active members).
+An eager step (always on the CPU) reads the model's weights and self-energies
+at every call, so changes made in place (an optimizer step,
+``load_state_dict``) are seen. A CUDA-graph step replays the weights it
+captured (it keeps them alive): build a new one after changing them. Build a
+new step after changing the model's dtype, device or active members.
 """
 import threading
 import typing as tp
@@ -43,7 +45,34 @@ from .patch import is_patched, kept_parts, nnp_of
 from .potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList
 from .validation import check_periodic_work
 
-__all__ = ["EnergyForcesStep"]
+__all__ = ["EnergyForcesStep", "GrowingStep"]
+
+
+def _unsupported(model: torch.nn.Module, device: torch.device) -> tp.Optional[Exception]:
+    """Why :class:`EnergyForcesStep` cannot evaluate ``model`` on ``device`` (the
+    error its constructor raises), or ``None`` if it can."""
+    if isinstance(model, torch.jit.ScriptModule) or not is_patched(model):
+        return TypeError("EnergyForcesStep needs a model patched by torchani_fast.patch() (eager, not scripted)")
+    extra = {k: p for k, p in model.potentials.items() if k != "nnp" and p._enabled}
+    kept = [k for k, p in extra.items() if not isinstance(p, (FastRepulsionXTB, FastDispersionD3))]
+    if kept:
+        return NotImplementedError(
+            f"EnergyForcesStep evaluates the ANI potential and torchani_fast's repulsion and "
+            f"dispersion; this model also has {kept} (evaluate it with model.energies_forces "
+            "or the ASE calculator)")
+    if extra and device.type != "cpu":
+        return NotImplementedError(
+            f"EnergyForcesStep on {device.type} supports models with only the ANI "
+            f"potential; this model also has {list(extra)} (pair potentials run in the step "
+            "on the CPU only; on the GPU use model.energies_forces)")
+    nnp = nnp_of(model)
+    if not isinstance(nnp.aev_computer, AEVComputer):
+        return NotImplementedError(
+            "EnergyForcesStep needs torchani_fast's AEV; this model keeps TorchANI's "
+            f"({kept_parts(model).get('AEV computer', type(nnp.aev_computer).__name__)})")
+    if not isinstance(nnp.neural_networks, (FusedEnsemble, FusedNetworks)):
+        return TypeError("EnergyForcesStep needs the fused networks of a patched model")
+    return None
 
 
 class EnergyForcesStep:
@@ -80,29 +109,13 @@ class EnergyForcesStep:
         cuda_graph: tp.Optional[bool] = None,
         check_every: int = 1,
     ):
-        if not is_patched(model):
-            raise TypeError("EnergyForcesStep needs a model patched by torchani_fast.patch()")
-        extra = {k: p for k, p in model.potentials.items() if k != "nnp" and p._enabled}
-        kept = [k for k, p in extra.items() if not isinstance(p, (FastRepulsionXTB, FastDispersionD3))]
-        if kept:
-            raise NotImplementedError(
-                f"EnergyForcesStep evaluates the ANI potential and torchani_fast's repulsion and "
-                f"dispersion; this model also has {kept} (evaluate it with model.energies_forces "
-                "or the ASE calculator)")
-        if extra and coords.device.type != "cpu":
-            raise NotImplementedError(
-                f"EnergyForcesStep on {coords.device.type} supports models with only the ANI "
-                f"potential; this model also has {list(extra)} (pair potentials run in the step "
-                "on the CPU only; on the GPU use model.energies_forces)")
-        nnp = nnp_of(model)
-        if not isinstance(nnp.aev_computer, AEVComputer):
-            raise NotImplementedError(
-                "EnergyForcesStep needs torchani_fast's AEV; this model keeps TorchANI's "
-                f"({kept_parts(model).get('AEV computer', type(nnp.aev_computer).__name__)})")
-        nets = nnp.neural_networks
-        if not isinstance(nets, (FusedEnsemble, FusedNetworks)):
-            raise TypeError("EnergyForcesStep needs the fused networks of a patched model")
         require_tensors(species=species, coords=coords, cell=cell, pbc=pbc)
+        unsupported = _unsupported(model, coords.device)
+        if unsupported is not None:
+            raise unsupported
+        nnp = nnp_of(model)
+        nets = nnp.neural_networks
+        extra = {k: p for k, p in model.potentials.items() if k != "nnp" and p._enabled}
         if check_every < 0:
             raise ValueError(f"check_every must be >= 0, got {check_every}")
         if pbc is not None and not bool(pbc.any()):
@@ -117,8 +130,13 @@ class EnergyForcesStep:
         with torch.no_grad():
             elem = model.species_converter(species, nop=not model.periodic_table_index)
             num_pairs = search(model.neighborlist.strategy)(self.cutoff, elem, coords, cell, pbc).indices.shape[1]
-            self.shift = model.energy_shifter(elem).detach() if model.energy_shifter._enabled \
-                else coords.new_zeros(coords.shape[0])
+        # The self-energy sum of each molecule: refreshed in place (a captured graph
+        # reads this memory) when the shifter's energies change (load_state_dict, ...).
+        self._shifter = model.energy_shifter
+        self._elem_for_shift = elem
+        with torch.no_grad():
+            self.shift = self._shifter(elem).detach().clone()  # (M,), the model's dtype
+        self._refresh_shift()
         if max_pairs is None:
             max_pairs = int(1.3 * num_pairs) + 64
         if max_pairs <= 0:
@@ -150,6 +168,26 @@ class EnergyForcesStep:
         self._workspace = Workspace() if reuses else None
         use_graph = coords.device.type == "cuda" if cuda_graph is None else cuda_graph
         self._warm_up(coords, use_graph and coords.device.type == "cuda")
+
+    @staticmethod
+    def supports(model: torch.nn.Module, device: tp.Union[str, torch.device] = "cpu") -> bool:
+        """Whether a step can be built for ``model`` with inputs on ``device``
+        (what the constructor would otherwise refuse: an unpatched or scripted
+        model, parts kept TorchANI's, potentials other than repulsion and
+        dispersion)."""
+        return _unsupported(model, torch.device(device)) is None
+
+    def _shifter_state(self) -> tp.Tuple[bool, int, int]:
+        energies = self._shifter.self_energies
+        return bool(self._shifter._enabled), energies.data_ptr(), energies._version
+
+    def _refresh_shift(self) -> None:
+        with torch.no_grad():
+            if self._shifter._enabled:
+                self.shift.copy_(self._shifter(self._elem_for_shift))
+            else:
+                self.shift.zero_()
+        self._shift_seen = self._shifter_state()
 
     def _eager(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
         if self._workspace is None:
@@ -203,6 +241,8 @@ class EnergyForcesStep:
                 f"got {coords.dtype} on {coords.device}"
             )
         with self._lock:
+            if self._shifter_state() != self._shift_seen:
+                self._refresh_shift()
             if self._graph is not None:
                 with torch.no_grad():
                     self._static_x.copy_(coords)
@@ -213,4 +253,49 @@ class EnergyForcesStep:
             self.calls += 1
             if self.check_every and self.calls % self.check_every == 0:
                 ops.check_num_pairs(self.num_pairs, self.max_pairs)
+        return energies, forces
+
+
+class GrowingStep:
+    """An :class:`EnergyForcesStep` that makes room when a geometry has more pairs than it holds.
+
+    ``step(coords) -> (energies, forces)`` like the step itself, for callers
+    that cannot bound the pair count in advance (an MD run that compresses, an
+    optimisation): when a call's neighbour list overflows ``max_pairs``, the
+    step is rebuilt with 1.3x the pairs found (+64) and the call recomputed, so
+    no pair is ever dropped and no error reaches the caller. Non-finite
+    coordinates or a singular cell still raise (:meth:`EnergyForcesStep.check`).
+
+    ``cell`` and ``pbc`` are kept by reference: a caller that changes the cell
+    in place (a barostat) moves every later call, rebuilt steps included, to
+    the new box. ``step_kwargs`` go to :class:`EnergyForcesStep` (not
+    ``check_every``: every call is checked here, at one host read of the count).
+    """
+
+    def __init__(self, model: torch.nn.Module, species: Tensor, coords: Tensor,
+                 cell: tp.Optional[Tensor] = None, pbc: tp.Optional[Tensor] = None,
+                 *, max_pairs: tp.Optional[int] = None, **step_kwargs):
+        if "check_every" in step_kwargs:
+            raise TypeError("GrowingStep checks every call itself; check_every is not an argument")
+        self._inputs = (model, species, cell, pbc)
+        self._kwargs = step_kwargs
+        self.builds = 0  # steps built: the first, then one per overflow
+        self.step = self._build(coords, max_pairs)
+
+    def _build(self, coords: Tensor, max_pairs: tp.Optional[int]) -> EnergyForcesStep:
+        model, species, cell, pbc = self._inputs
+        step = EnergyForcesStep(model, species, coords, cell, pbc, max_pairs=max_pairs,
+                                check_every=0, **self._kwargs)
+        self.builds += 1
+        return step
+
+    def __call__(self, coords: Tensor) -> tp.Tuple[Tensor, Tensor]:
+        energies, forces = self.step(coords)
+        num_pairs = int(self.step.num_pairs)
+        if num_pairs > self.step.max_pairs:  # a denser geometry: more room, the same call again
+            self.step = self._build(coords, int(1.3 * num_pairs) + 64)
+            energies, forces = self.step(coords)
+            num_pairs = int(self.step.num_pairs)
+        if num_pairs < 0 or num_pairs > self.step.max_pairs:
+            self.step.check()  # raises, naming the problem (non-finite coordinates, a singular cell)
         return energies, forces

@@ -177,7 +177,6 @@ class ANIComputation:
         self.device = resolve_device(device)
         self.model = load_model(name, model_index, self.dtype, self.device)
         self.calls = 0
-        self.rebuilds = 0  # steps built (the first, then one per neighbour-list overflow)
         self._step = None
 
     # -------------------------------------------------------------- pickling
@@ -191,22 +190,24 @@ class ANIComputation:
                       state["model_index"], state["dtype"], state["device"])
 
     # ------------------------------------------------------------ evaluation
-    def _build(self, max_pairs: tp.Optional[int] = None) -> None:
-        from ..step import EnergyForcesStep
+    def _build(self) -> None:
+        from ..step import GrowingStep
 
         species = torch.tensor([self.atomic_numbers], dtype=torch.long, device=self.device)
-        if self._step is None:
-            self._cell = self._pbc = None
-            if self.periodic:
-                self._cell = torch.tensor(self._box * 10.0, dtype=self.dtype, device=self.device)
-                self._pbc = torch.ones(3, dtype=torch.bool, device=self.device)
+        self._cell = self._pbc = None
+        if self.periodic:
+            self._cell = torch.tensor(self._box * 10.0, dtype=self.dtype, device=self.device)
+            self._pbc = torch.ones(3, dtype=torch.bool, device=self.device)
         # A CUDA graph would replay the neighbour search as captured, for the box
         # of the capture; a periodic box can change (barostat), so those steps
         # run eagerly, reading the cell tensor at every call. (CPU: always eager.)
-        self._step = EnergyForcesStep(self.model, species, self._x, self._cell, self._pbc,
-                                      max_pairs=max_pairs, check_every=0,
-                                      cuda_graph=not self.periodic)
-        self.rebuilds += 1
+        self._step = GrowingStep(self.model, species, self._x, self._cell, self._pbc,
+                                 cuda_graph=not self.periodic)
+
+    @property
+    def rebuilds(self) -> int:
+        """Steps built: the first, then one per neighbour-list overflow."""
+        return 0 if self._step is None else self._step.builds
 
     def _set_box(self, box: np.ndarray) -> None:
         self._box = np.array(box, dtype=np.float64)
@@ -242,14 +243,7 @@ class ANIComputation:
             self._build()  # sized and warmed up on this geometry
         else:
             self._x.copy_(torch.from_numpy(pos * 10.0).unsqueeze(0))
-        energies, forces = self._step(self._x)
-        num_pairs = int(self._step.num_pairs)
-        if num_pairs > self._step.max_pairs:  # a denser configuration: more room, same call
-            self._build(max_pairs=int(1.3 * num_pairs) + 64)
-            energies, forces = self._step(self._x)
-            num_pairs = int(self._step.num_pairs)
-        if num_pairs < 0 or num_pairs > self._step.max_pairs:
-            self._step.check()  # raises, naming the problem (non-finite positions, a singular box)
+        energies, forces = self._step(self._x)  # (rebuilt with more room if the list overflowed)
         self.calls += 1
         energy = float(energies[0]) * HARTREE_TO_KJ_PER_MOL
         return energy, (forces[0].to(torch.float64) * _FORCE_SCALE).cpu().numpy()

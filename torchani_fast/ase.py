@@ -9,8 +9,11 @@ ASE asks for, each new geometry is evaluated once: the energy, the forces and
 (for periodic systems) the stress come out of one forward and one backward pass
 and are all cached, so ``get_potential_energy()`` followed by ``get_forces()``
 and ``get_stress()`` costs one evaluation. The species, cell and pbc tensors are
-built once and reused while the atoms keep their elements and cell. Results are
-those of TorchANI's calculator: eV, eV/Å and eV/Å³.
+built once and reused while the atoms keep their elements and cell; molecules
+(no periodic axis) of an eager patched model run through a
+:class:`~torchani_fast.step.GrowingStep` kept for those atoms, whose input
+tensor each new geometry is copied into. Results are those of TorchANI's
+calculator: eV, eV/Å and eV/Å³.
 
 One calculator may be shared by threads: ASE's calculators keep the atoms and
 results of the last call on the object, so every entry point here holds the

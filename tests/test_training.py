@@ -135,7 +135,8 @@ def test_weight_gradients_match_torchani_float32(name, members, force):
     # 4.6e-8 in member 3's first layer); which side a float32 evaluation lands
     # on depends on its summation order, and that one atom's term then moves
     # that layer's gradient by up to 1e-3-1e-2, in TorchANI (ANI-1x's ensemble,
-    # both agree) or in ours (ANI-2x's, on an AMX Xeon's MKL).
+    # both agree) or in ours (ANI-2x's with the AVX2/AVX-512 kernels; the
+    # portable ones, TORCHANI_FAST_CPU_ISA=none, land on TorchANI's side).
     (_, g_ref), (_, g_fast) = weight_grads(name, torch.float32, members, force, True)
     (_, g_exact), _ = weight_grads(name, torch.float64, members, force, True)
     kinks = 2 if force else 0

@@ -67,30 +67,32 @@ def _trajectory(atoms, calc, steps):
     return frames
 
 
-def bare_ms(model, numbers, frames, dtype):
-    from torchani_fast.models import energies_forces
-
+def _tensor_loop_ms(make, numbers, frames, dtype):
+    """ms per call of ``make(species, coords)`` (built outside the timing) on each
+    frame, the frames copied into one coords tensor."""
     species = torch.tensor(numbers, dtype=torch.long).unsqueeze(0)
-    coords = torch.zeros((1, len(numbers), 3), dtype=dtype)
+    coords = torch.tensor(frames[0], dtype=dtype).unsqueeze(0)
+    call = make(species, coords)
     t = time.perf_counter()
     for f in frames:
         coords.copy_(torch.from_numpy(f).unsqueeze(0))
-        energies_forces(model, species, coords)
+        call(coords)
     return (time.perf_counter() - t) / len(frames) * 1e3
+
+
+def bare_ms(model, numbers, frames, dtype):
+    from torchani_fast.models import energies_forces
+
+    return _tensor_loop_ms(lambda species, _: lambda x: energies_forces(model, species, x),
+                           numbers, frames, dtype)
 
 
 def step_ms(model, numbers, frames, dtype):
     """The same frames through an EnergyForcesStep (what the calculator runs for a molecule)."""
     from torchani_fast.step import GrowingStep
 
-    species = torch.tensor(numbers, dtype=torch.long).unsqueeze(0)
-    coords = torch.tensor(frames[0], dtype=dtype).unsqueeze(0)
-    step = GrowingStep(model, species, coords)
-    t = time.perf_counter()
-    for f in frames:
-        coords.copy_(torch.from_numpy(f).unsqueeze(0))
-        step(coords)
-    return (time.perf_counter() - t) / len(frames) * 1e3
+    return _tensor_loop_ms(lambda species, coords: GrowingStep(model, species, coords),
+                           numbers, frames, dtype)
 
 
 def calculator_ms(atoms, calc, frames):

@@ -78,10 +78,8 @@ def _same(a, b, tol: float) -> bool:
             return False
         if kind == "f":
             largest = np.abs(a - b).max()
-            if largest > tol:  # beyond tol: allclose says False too (inf - x included)
-                return False
-            if largest <= tol:
-                return True
+            if not np.isnan(largest):  # (inf - x beyond tol: allclose says False too)
+                return bool(largest <= tol)
     return bool(np.allclose(a, b, rtol=0, atol=tol))  # NaN, inf - inf
 
 
@@ -195,11 +193,11 @@ class Calculator(_AseCalculator):
         self._eye = torch.eye(3, dtype=self._dtype, device=self._device)
         self._workspace = Workspace()  # the CPU ops' outputs reuse the last call's memory
         self._aev_features = int(getattr(getattr(model, "aev_computer", None), "out_dim", 0))
-        # Non-periodic atoms of an eager patched model: a GrowingStep per species
-        # (built on the first geometry; its input tensor is refilled in place).
+        # Non-periodic atoms of an eager patched model: a GrowingStep for the
+        # current species (built on their first geometry, dropped when they
+        # change; its input tensor is refilled in place).
         self._steppable = _steppable(model, self._device)
         self._step = None
-        self._step_species: tp.Optional[Tensor] = None
         self._step_x: tp.Optional[Tensor] = None
 
     @property
@@ -220,6 +218,7 @@ class Calculator(_AseCalculator):
             species = torch.tensor(numbers, dtype=torch.long, device=self._device).unsqueeze(0)
             self._elem_idxs = self.model.species_converter(species)
             self._species = species
+            self._step = self._step_x = None  # (a step holds the old species)
             self._numbers = numbers.copy()
         return self._species, self._elem_idxs
 
@@ -303,14 +302,12 @@ class Calculator(_AseCalculator):
         """[energy, forces...] in eV and eV/Å of non-periodic atoms, from the
         species' :class:`~torchani_fast.step.GrowingStep`: the positions are
         copied into the step's input tensor, Hartree -> eV in float64."""
-        if self._step_species is not species:  # new atoms: a step sized on this geometry
+        if self._step is None:  # new atoms: a step sized on this geometry
             from .step import GrowingStep
 
-            self._step = None  # (the old one's memory first)
             self._step_x = torch.tensor(positions, dtype=self._dtype, device=self._device).unsqueeze(0)
             # (eager on CUDA too: a captured graph would replay the weights it captured)
             self._step = GrowingStep(self.model, species, self._step_x, cuda_graph=False)
-            self._step_species = species
         elif self._step_x.device.type == "cpu":
             np.copyto(self._step_x.numpy()[0], positions)  # (float64 -> the model's dtype)
         else:

@@ -48,12 +48,17 @@ from .validation import check_periodic_work
 __all__ = ["EnergyForcesStep", "GrowingStep"]
 
 
+def _extra_potentials(model: torch.nn.Module) -> tp.Dict[str, torch.nn.Module]:
+    """The model's enabled potentials other than ANI's own, by name."""
+    return {k: p for k, p in model.potentials.items() if k != "nnp" and p._enabled}
+
+
 def _unsupported(model: torch.nn.Module, device: torch.device) -> tp.Optional[Exception]:
     """Why :class:`EnergyForcesStep` cannot evaluate ``model`` on ``device`` (the
     error its constructor raises), or ``None`` if it can."""
     if isinstance(model, torch.jit.ScriptModule) or not is_patched(model):
         return TypeError("EnergyForcesStep needs a model patched by torchani_fast.patch() (eager, not scripted)")
-    extra = {k: p for k, p in model.potentials.items() if k != "nnp" and p._enabled}
+    extra = _extra_potentials(model)
     kept = [k for k, p in extra.items() if not isinstance(p, (FastRepulsionXTB, FastDispersionD3))]
     if kept:
         return NotImplementedError(
@@ -115,7 +120,7 @@ class EnergyForcesStep:
             raise unsupported
         nnp = nnp_of(model)
         nets = nnp.neural_networks
-        extra = {k: p for k, p in model.potentials.items() if k != "nnp" and p._enabled}
+        extra = _extra_potentials(model)
         if check_every < 0:
             raise ValueError(f"check_every must be >= 0, got {check_every}")
         if pbc is not None and not bool(pbc.any()):
@@ -132,10 +137,9 @@ class EnergyForcesStep:
             num_pairs = search(model.neighborlist.strategy)(self.cutoff, elem, coords, cell, pbc).indices.shape[1]
         # The self-energy sum of each molecule: refreshed in place (a captured graph
         # reads this memory) when the shifter's energies change (load_state_dict, ...).
+        self.elem = elem
         self._shifter = model.energy_shifter
-        self._elem_for_shift = elem
-        with torch.no_grad():
-            self.shift = self._shifter(elem).detach().clone()  # (M,), the model's dtype
+        self.shift = self._shifter.self_energies.new_zeros(elem.shape[0])  # (M,), the model's dtype
         self._refresh_shift()
         if max_pairs is None:
             max_pairs = int(1.3 * num_pairs) + 64
@@ -152,7 +156,6 @@ class EnergyForcesStep:
                                         self.neighborlist)
         self.networks = nets
         self.groups = nets.fixed_groups(elem)
-        self.elem = elem
         self.cell = cell
         self.pbc = pbc
         self.shape = tuple(coords.shape)
@@ -184,7 +187,7 @@ class EnergyForcesStep:
     def _refresh_shift(self) -> None:
         with torch.no_grad():
             if self._shifter._enabled:
-                self.shift.copy_(self._shifter(self._elem_for_shift))
+                self.shift.copy_(self._shifter(self.elem))
             else:
                 self.shift.zero_()
         self._shift_seen = self._shifter_state()

@@ -50,6 +50,22 @@ def test_step_matches_torchani(name, dtype):
     assert_matches(energy_forces(fast, *other), energy_forces(ref, *other), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_step_groups_atoms_like_a_model_call_on_the_cpu(dtype):
+    # 1hz5: enough H/C/N/O atoms for a model call to split off those that see
+    # the rare S and to order the rest by the neighbour blocks they lack; groups
+    # fixed at construction give other tiles and member slices, so other bits.
+    ref, fast = model_pair("ANI2x", dtype)
+    species, coords, _, _ = atoms_to_tensors(read_molecule("1hz5.xyz"), dtype)
+    step = EnergyForcesStep(fast, species, coords)
+    g = torch.Generator().manual_seed(1)
+    for x in (coords, coords + 0.1 * torch.randn(coords.shape, generator=g, dtype=dtype)):
+        e, f = step(x)
+        e_model, f_model = energy_forces(fast, species, x)
+        assert torch.equal(e, e_model) and torch.equal(f, f_model)
+        assert_matches((e, f), energy_forces(ref, species, x), dtype)
+
+
 def test_step_ensemble_subset_and_single_member():
     ref, fast = model_pair("ANI2x", torch.float64)
     species, coords, _, _ = atoms_to_tensors(read_molecule("3o99_ligand.xyz"))

@@ -241,10 +241,15 @@ class ANIComputation:
         if self._step is None:
             self._x = torch.from_numpy(pos * 10.0).to(dtype=self.dtype, device=self.device).unsqueeze(0)
             self._build()  # sized and warmed up on this geometry
+        elif self.device.type == "cpu":  # nm -> A into the step's input, one NumPy call
+            np.multiply(pos, 10.0, out=self._x.numpy()[0], casting="same_kind")
         else:
             self._x.copy_(torch.from_numpy(pos * 10.0).unsqueeze(0))
         energies, forces = self._step(self._x)  # (rebuilt with more room if the list overflowed)
         self.calls += 1
+        if self.device.type == "cpu":  # NumPy views of the step's outputs, float64 results
+            energy = float(energies.numpy()[0]) * HARTREE_TO_KJ_PER_MOL
+            return energy, np.multiply(forces.numpy()[0], _FORCE_SCALE, dtype=np.float64)
         energy = float(energies[0]) * HARTREE_TO_KJ_PER_MOL
         return energy, (forces[0].to(torch.float64) * _FORCE_SCALE).cpu().numpy()
 

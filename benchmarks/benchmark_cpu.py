@@ -42,6 +42,7 @@ Never part of the tests or CI. Usage::
     python benchmarks/benchmark_cpu.py --quick          # fewer rounds, no 3000-atom grid
     python benchmarks/benchmark_cpu.py --profile        # + torch.profiler table (1hz5, fast)
     python benchmarks/benchmark_cpu.py --contention 2   # beside 2 busy processes of its own
+    python benchmarks/benchmark_cpu.py --calls 4        # each round: 4 calls in a row, 3 timed
     python benchmarks/benchmark_cpu.py --model ANI2dr   # another torchani.models factory
     python benchmarks/benchmark_cpu.py --dtype float64  # both implementations in float64
 
@@ -299,7 +300,7 @@ def eager_infer_probe(base):
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
 
 
-def time_all(systems, impls, rounds, budget_s):
+def time_all(systems, impls, rounds, budget_s, calls=1, gap_s=0.0):
     base = base_model()
     models, errors = {}, {}
     if "torchani-infer" in impls:
@@ -322,7 +323,7 @@ def time_all(systems, impls, rounds, budget_s):
                 errors.setdefault(impl, f"{label}: {type(exc).__name__}: {exc}".splitlines()[0][:200])
         # Rounds adapted to the slowest implementation, within the time budget.
         slowest = max(_timed(lambda m=m: energy_forces(m, species, coords, cell, pbc)) for m in active.values())
-        n = max(5, min(rounds, int(budget_s / max(slowest * len(active), 1e-9))))
+        n = max(5, min(rounds, int(budget_s / max(slowest * len(active) * calls, 1e-9))))
         times = {impl: [] for impl in active}
         order = list(active)
         shuffle = random.Random(0).shuffle
@@ -332,7 +333,14 @@ def time_all(systems, impls, rounds, budget_s):
             if order[0] == last and len(order) > 1:  # never right after itself
                 order[0], order[1] = order[1], order[0]
             for impl in order:
-                times[impl].append(_timed(lambda m=active[impl]: energy_forces(m, species, coords, cell, pbc)))
+                call = lambda m=active[impl]: energy_forces(m, species, coords, cell, pbc)  # noqa: E731
+                if gap_s:  # the previous implementation's OpenMP team stops spinning meanwhile
+                    time.sleep(gap_s)
+                if calls > 1:  # a loop of its own calls: the first (after another's) untimed
+                    call()
+                    times[impl].append(sum(_timed(call) for _ in range(calls - 1)) / (calls - 1))
+                else:
+                    times[impl].append(_timed(call))
         row = {"system": label, "atoms": species.shape[1], "rounds": n,
                "ms": {impl: 1e3 * statistics.median(t) for impl, t in times.items()}}
         if "fast" in active:
@@ -447,7 +455,8 @@ def stop_contention(procs):
             proc.kill()
 
 
-def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_text, quick, contention=0):
+def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_text, quick, contention=0,
+           calls=1, gap_ms=0.0):
     peak = max(peaks.values())
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     # The load average counts this benchmark's own threads while it runs.
@@ -470,10 +479,17 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
            f"- Command: `python benchmarks/benchmark_cpu.py --threads {threads}{' --quick' if quick else ''}"
            + (f" --model {MODEL}" if MODEL != "ANI2x" else "")
            + (f" --dtype {dtype}" if DTYPE != torch.float32 else "")
-           + (f" --contention {contention}`" if contention else "`"),
+           + (f" --contention {contention}" if contention else "")
+           + (f" --calls {calls}" if calls > 1 else "")
+           + (f" --gap {gap_ms:g}`" if gap_ms else "`"),
            *([f"- Contention: {contention} processes of the benchmark's own, one busy loop each, ran "
               "throughout the timing (started before, stopped after)"] if contention else []),
-           "", "Median wall time per call in ms (rounds interleaved, each in a shuffled order); speedup = torchani / fast. "
+           "", "Median wall time per call in ms (rounds interleaved, each in a shuffled order"
+           + (f"; in a round each implementation makes {calls} calls in a row and the last {calls - 1} are "
+              "timed: a loop of its own calls" if calls > 1 else "")
+           + (f"; {gap_ms:g} ms of sleep before each implementation's calls, so that the one before "
+              "has stopped spinning" if gap_ms else "")
+           + "); speedup = torchani / fast. "
            "AEV and nets: torchani_fast's two stages timed alone (forward + backward); "
            "nets alone: the network GFLOP over the nets stage's time. "
            "Ceiling: the call with the nets stage replaced by its FLOPs at the GEMM peak, the rest as measured "
@@ -574,6 +590,12 @@ def main():
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--contention", type=int, default=0, metavar="N",
                    help="time beside N busy processes started (and stopped) by the benchmark")
+    p.add_argument("--calls", type=int, default=1, metavar="K",
+                   help="calls per implementation and round, the last K-1 timed (a loop of its own "
+                        "calls, as MD and screening run; default 1: each call after another's)")
+    p.add_argument("--gap", type=float, default=0.0, metavar="MS",
+                   help="sleep this long before each implementation's calls in a round (TorchANI's "
+                        "OpenMP threads spin for milliseconds after its call returns; default 0)")
     p.add_argument("--model", default="ANI2x",
                    help="torchani.models factory to time (ANI2x: published weights; others: "
                         "TorchANI's architecture with seeded random weights)")
@@ -581,6 +603,10 @@ def main():
                    help="dtype of both implementations (models, coordinates, cells)")
     p.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.calls < 1:
+        p.error(f"--calls must be >= 1, got {args.calls}")
+    if not 0 <= args.gap <= 10000:
+        p.error(f"--gap must be in [0, 10000] ms, got {args.gap}")
     global MODEL, DTYPE
     MODEL = args.model
     DTYPE = getattr(torch, args.dtype)
@@ -595,14 +621,14 @@ def main():
     # Bounded: the busy loops end by themselves within 2 hours even if this process is killed.
     busy = start_contention(args.contention, 7200) if args.contention else []
     try:
-        rows, errors = time_all(systems, args.impls, rounds, budget)
+        rows, errors = time_all(systems, args.impls, rounds, budget, args.calls, args.gap / 1e3)
         load_after = os.getloadavg()[0]
     finally:
         stop_contention(busy)
     rss = {} if (args.no_rss or args.quick) else measure_rss(args.impls, systems, args.threads, args.quick)
     profile_text = profile_table(SYSTEMS[4]) if args.profile else ""
     section = render(rows, errors, rss, peaks, args.threads, load_before, load_after, profile_text, args.quick,
-                     args.contention)
+                     args.contention, args.calls, args.gap)
     print(section)
     if not args.no_write:
         write_results(section, args.output, args.contention)

@@ -27,6 +27,8 @@ inline void cpu_relax() {
 
 // How long an idle worker watches for the next job before it sleeps.
 constexpr auto kSpin = std::chrono::microseconds(50);
+// How long the caller spins for workers still inside a job before it yields.
+constexpr auto kFinishSpin = std::chrono::microseconds(20);
 
 thread_local bool in_region = false;
 
@@ -79,7 +81,7 @@ class Pool {
     open_.store(false, std::memory_order_seq_cst);
     // Only workers inside this job are waited for; one that has not started
     // sees the job closed and leaves it.
-    while (active_.load(std::memory_order_seq_cst) != 0) cpu_relax();
+    wait_for_workers();
     if (error_) std::rethrow_exception(error_);
   }
 
@@ -90,6 +92,22 @@ class Pool {
     while (started_ < wanted) {
       std::thread([this] { loop(); }).detach();
       ++started_;
+    }
+  }
+
+  // Until no worker is inside the job. Briefly spinning (a worker's last chunk
+  // is usually microseconds from its end), then yielding the core: a worker
+  // the system descheduled mid-chunk needs a core to finish on, and on a busy
+  // machine the caller's spinning would hold one that it could run on.
+  void wait_for_workers() {
+    const auto spin_until = std::chrono::steady_clock::now() + kFinishSpin;
+    int tries = 0;
+    while (active_.load(std::memory_order_seq_cst) != 0) {
+      if (++tries % 64 == 0 && std::chrono::steady_clock::now() > spin_until) {
+        std::this_thread::yield();
+      } else {
+        cpu_relax();
+      }
     }
   }
 

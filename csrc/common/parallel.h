@@ -12,8 +12,9 @@
 // loops go to torchani_fast's own pool instead, which
 // splits [begin, end) into chunks that the calling thread
 // and torchani_fast's worker threads claim one at a time from a shared counter.
-// The caller waits only for chunks that a worker has already claimed, never
-// for a worker that has not started: when a worker is late, the caller (and
+// The caller waits only for chunks that a worker has already claimed (spinning
+// 20 us, then yielding its core to them), never for a worker that has not
+// started: when a worker is late, the caller (and
 // any other worker) runs its chunks, and a region of a few microseconds simply
 // runs on the caller. Workers that find no work spin for a short while (the
 // next region of the same call is usually tens of microseconds away), then

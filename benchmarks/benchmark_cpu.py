@@ -219,8 +219,8 @@ def _timed(fn):
 def network_flops(fused, species_idx):
     """Zero-block-aware multiply-add FLOPs of forward + input-gradient backward."""
     counts = torch.bincount(species_idx.flatten() + 1, minlength=fused.num_species + 1)[1:].tolist()
-    present = [c > 0 for c in counts]
-    k = len(fused._columns(present))
+    mask = sum(1 << e for e, c in enumerate(counts) if c > 0)
+    k = fused._column_index(mask, torch.device("cpu")).numel()
     members = fused.get_active_members_num()
     macs = 0
     for e, count in enumerate(counts):
@@ -345,11 +345,10 @@ def time_all(systems, impls, rounds, budget_s, calls=1, gap_s=0.0):
                "ms": {impl: 1e3 * statistics.median(t) for impl, t in times.items()}}
         if "fast" in active:
             fast = active["fast"]
-            try:
-                row["gflop"] = network_flops(fast.potentials["nnp"].neural_networks,
-                                             fast.species_converter(species)) / 1e9
-            except AttributeError:  # networks kept as TorchANI's (not fused): no count
-                row["gflop"] = None
+            nets = fast.potentials["nnp"].neural_networks
+            row["gflop"] = None  # networks kept as TorchANI's (not fused): no count
+            if hasattr(nets, "_column_index"):
+                row["gflop"] = network_flops(nets, fast.species_converter(species)) / 1e9
             row["aev_ms"], row["nets_ms"] = stage_times(fast, species, coords, cell, pbc, max(3, n // 2))
             pairs_ms = pair_potential_ms(fast, species, coords, cell, pbc, max(3, n // 2))
             if pairs_ms is not None:

@@ -37,8 +37,9 @@ import torch
 
 import ase.io
 from ase.md.verlet import VelocityVerlet
-from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
 from ase import units
+
+from torchani_fast.cli import _maxwell_boltzmann  # the CLI's draw (thermalize_momenta where ASE has it)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +60,7 @@ def _trajectory(atoms, calc, steps):
     """Positions of a short NVE run from 300 K, as visited by the MD rows."""
     atoms = atoms.copy()
     atoms.calc = calc
-    MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
+    _maxwell_boltzmann(atoms, 300, np.random.default_rng(0))
     frames = []
     dyn = VelocityVerlet(atoms, 0.5 * units.fs)
     dyn.attach(lambda: frames.append(atoms.positions.copy()), interval=1)
@@ -156,7 +157,7 @@ def main(argv=None):
         rows["EnergyForcesStep"].append(step_ms(model, atoms.numbers, frames, dtype))
         rows["calculator"].append(calculator_ms(atoms.copy(), calc, frames))
         md_atoms = atoms.copy()
-        MaxwellBoltzmannDistribution(md_atoms, temperature_K=300, rng=np.random.default_rng(0))
+        _maxwell_boltzmann(md_atoms, 300, np.random.default_rng(0))
         rows["VelocityVerlet"].append(verlet_ms(md_atoms, calc, args.steps))
         if not args.no_cli:
             rows["torchani-fast md"].append(cli_ms(args.system, args.dtype, 5 * args.steps, args.threads))

@@ -19,7 +19,7 @@ import ase.units as units  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from ase.md.langevin import Langevin  # noqa: E402
-from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary, ZeroRotation  # noqa: E402
+from ase.md.velocitydistribution import Stationary, ZeroRotation  # noqa: E402
 from ase.md.verlet import VelocityVerlet  # noqa: E402
 
 from torchani_fast.models import ANI2x  # noqa: E402
@@ -35,7 +35,14 @@ args = parser.parse_args()
 atoms = ase.io.read(args.file)
 atoms.calc = ANI2x(dtype=torch.float64).ase()
 rng = np.random.default_rng(0)
-MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=rng)
+try:  # ASE >= 3.29 (MaxwellBoltzmannDistribution, deprecated there, makes the same draw)
+    from ase.md.velocitydistribution import thermalize_momenta
+except ImportError:
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution as _mb
+
+    def thermalize_momenta(atoms, temperature_K, rng):
+        _mb(atoms, temperature_K=temperature_K, rng=rng)
+thermalize_momenta(atoms, 300, rng=rng)
 Stationary(atoms)
 ZeroRotation(atoms)
 

@@ -338,12 +338,25 @@ def _print_table(rows: list, args) -> None:
 
 
 # ---------------------------------------------------------------- md
+def _maxwell_boltzmann(atoms, temperature_K: float, rng) -> None:
+    """Momenta drawn at ``temperature_K``: ASE's ``thermalize_momenta`` (3.29+), else
+    ``MaxwellBoltzmannDistribution`` (which 3.29 deprecates; the same draw)."""
+    try:
+        from ase.md.velocitydistribution import thermalize_momenta
+    except ImportError:
+        from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+
+        MaxwellBoltzmannDistribution(atoms, temperature_K=temperature_K, rng=rng)
+        return
+    thermalize_momenta(atoms, temperature_K, rng=rng)
+
+
 def _run_md(args) -> int:
     import ase.units as units
     import numpy as np
     from ase.md.langevin import Langevin
     from ase.md.logger import MDLogger
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary, ZeroRotation
+    from ase.md.velocitydistribution import Stationary, ZeroRotation
     from ase.md.verlet import VelocityVerlet
 
     from .ase import Calculator
@@ -354,7 +367,7 @@ def _run_md(args) -> int:
     atoms.calc = Calculator(model)
     rng = np.random.default_rng(args.seed)
     if args.temperature > 0 and not args.keep_velocities:
-        MaxwellBoltzmannDistribution(atoms, temperature_K=args.temperature, rng=rng)
+        _maxwell_boltzmann(atoms, args.temperature, rng)
         Stationary(atoms)
         if not atoms.pbc.any():
             ZeroRotation(atoms)

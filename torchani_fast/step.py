@@ -156,8 +156,9 @@ class EnergyForcesStep:
                                         nnp.aev_computer.num_species, nnp.aev_computer.triu_index,
                                         self.neighborlist)
         self.networks = nets
-        self.groups = nets.fixed_groups(elem)
-        self._groups_per_call = coords.device.type == "cpu"
+        # On the CPU the groups follow each call's geometry (_evaluate); a CUDA
+        # graph needs them fixed: found once, here.
+        self.groups = None if coords.device.type == "cpu" else nets.fixed_groups(elem)
         self.cell = cell
         self.pbc = pbc
         self.shape = tuple(coords.shape)
@@ -204,10 +205,10 @@ class EnergyForcesStep:
         neighbors, self.num_pairs = self.neighborlist.padded(self.cutoff, self.elem, x, self.cell,
                                                              self.pbc, self.max_pairs)
         aev = self.aev_computer.compute_from_neighbors(self.elem, x, neighbors)
-        # On the CPU the groups follow the geometry, as a model call's do (layer 1
-        # then skips the neighbour blocks that tiles of atoms lack: 1hz5's networks
-        # 37 ms instead of 43 on one thread); a CUDA graph needs them fixed.
-        groups = self.networks.groups_of(self.elem, aev) if self._groups_per_call else self.groups
+        # The CPU's groups as a model call finds them (layer 1 then skips the
+        # neighbour blocks that tiles of atoms lack: 1hz5's networks 37 ms instead
+        # of 43 on one thread with the construction's groups).
+        groups = self.networks.groups_of(self.elem, aev) if self.groups is None else self.groups
         energies = self.networks.energies_fixed(self.elem, aev, groups) + self.shift
         for pot in self.potentials:
             energies = energies + pot.compute_from_neighbors(self.elem, x, neighbors).energies

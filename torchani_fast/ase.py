@@ -198,7 +198,6 @@ class Calculator(_AseCalculator):
         # change; its input tensor is refilled in place).
         self._steppable = _steppable(model, self._device)
         self._step = None
-        self._step_x: tp.Optional[Tensor] = None
 
     @property
     def device(self) -> torch.device:
@@ -218,7 +217,7 @@ class Calculator(_AseCalculator):
             species = torch.tensor(numbers, dtype=torch.long, device=self._device).unsqueeze(0)
             self._elem_idxs = self.model.species_converter(species)
             self._species = species
-            self._step = self._step_x = None  # (a step holds the old species)
+            self._step = None  # (a step holds the old species)
             self._numbers = numbers.copy()
         return self._species, self._elem_idxs
 
@@ -305,19 +304,10 @@ class Calculator(_AseCalculator):
         if self._step is None:  # new atoms: a step sized on this geometry
             from .step import GrowingStep
 
-            self._step_x = torch.tensor(positions, dtype=self._dtype, device=self._device).unsqueeze(0)
             # (eager on CUDA too: a captured graph would replay the weights it captured)
-            self._step = GrowingStep(self.model, species, self._step_x, cuda_graph=False)
-        elif self._step_x.device.type == "cpu":
-            np.copyto(self._step_x.numpy()[0], positions)  # (float64 -> the model's dtype)
-        else:
-            self._step_x.copy_(torch.from_numpy(positions).unsqueeze(0))
-        energies, forces = self._step(self._step_x)
-        if energies.device.type == "cpu":
-            flat = np.concatenate((energies.numpy(), forces.numpy().reshape(-1)))
-        else:  # one device -> host copy
-            flat = torch.cat([energies.reshape(1), forces.reshape(-1)]).cpu().numpy()
-        return np.multiply(flat, ase.units.Hartree, dtype=np.float64)
+            self._step = GrowingStep(self.model, species, self._coords(), cuda_graph=False)
+        energies, forces = self._step.host_call(positions, energy_per_hartree=ase.units.Hartree)
+        return np.concatenate((energies, forces.reshape(-1)))
 
     def _coords(self) -> Tensor:
         """The positions as a (1, A, 3) tensor of the model's dtype and device."""

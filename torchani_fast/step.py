@@ -35,6 +35,7 @@ new step after changing the model's dtype, device or active members.
 import threading
 import typing as tp
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -47,6 +48,11 @@ from .potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborLis
 from .validation import check_periodic_work
 
 __all__ = ["EnergyForcesStep", "GrowingStep"]
+
+
+def _room(num_pairs: int) -> int:
+    """A neighbour list's capacity for a geometry with ``num_pairs`` pairs (1.3x + 64)."""
+    return int(1.3 * num_pairs) + 64
 
 
 def _extra_potentials(model: torch.nn.Module) -> tp.Dict[str, torch.nn.Module]:
@@ -143,7 +149,7 @@ class EnergyForcesStep:
         self.shift = self._shifter.self_energies.new_zeros(elem.shape[0])  # (M,), the model's dtype
         self._refresh_shift()
         if max_pairs is None:
-            max_pairs = int(1.3 * num_pairs) + 64
+            max_pairs = _room(num_pairs)
         if max_pairs <= 0:
             raise ValueError(f"max_pairs must be > 0, got {max_pairs}")
         self.max_pairs = max_pairs
@@ -278,8 +284,9 @@ class GrowingStep:
 
     ``cell`` and ``pbc`` are kept by reference: a caller that changes the cell
     in place (a barostat) moves every later call, rebuilt steps included, to
-    the new box. ``step_kwargs`` go to :class:`EnergyForcesStep` (not
-    ``check_every``: every call is checked here, at one host read of the count).
+    the new box. So is ``coords``, the input that :meth:`host_call` fills.
+    ``step_kwargs`` go to :class:`EnergyForcesStep` (not ``check_every``: every
+    call is checked here, at one host read of the count).
     """
 
     def __init__(self, model: torch.nn.Module, species: Tensor, coords: Tensor,
@@ -288,6 +295,7 @@ class GrowingStep:
         if "check_every" in step_kwargs:
             raise TypeError("GrowingStep checks every call itself; check_every is not an argument")
         self._inputs = (model, species, cell, pbc)
+        self.coords = coords
         self._kwargs = step_kwargs
         self.builds = 0  # steps built: the first, then one per overflow
         self.step = self._build(coords, max_pairs)
@@ -303,9 +311,32 @@ class GrowingStep:
         energies, forces = self.step(coords)
         num_pairs = int(self.step.num_pairs)
         if num_pairs > self.step.max_pairs:  # a denser geometry: more room, the same call again
-            self.step = self._build(coords, int(1.3 * num_pairs) + 64)
+            self.step = self._build(coords, _room(num_pairs))
             energies, forces = self.step(coords)
             num_pairs = int(self.step.num_pairs)
         if num_pairs < 0 or num_pairs > self.step.max_pairs:
             self.step.check()  # raises, naming the problem (non-finite coordinates, a singular cell)
         return energies, forces
+
+    def host_call(self, positions: np.ndarray, *, angstrom_per_unit: float = 1.0,
+                  energy_per_hartree: float = 1.0) -> tp.Tuple[np.ndarray, np.ndarray]:
+        """The call for host positions, in a host program's units (ASE, OpenMM).
+
+        ``positions`` (float64 NumPy, ``coords``' shape or without its molecule
+        axis) times ``angstrom_per_unit`` are copied into ``coords`` (on the CPU
+        in one NumPy call, nothing allocated); returns energies (M,) times
+        ``energy_per_hartree`` and forces (M, A, 3) in that energy per unit of
+        length, as float64 NumPy arrays (one device -> host copy off the CPU).
+        """
+        x = self.coords
+        force_unit = energy_per_hartree * angstrom_per_unit
+        if x.device.type == "cpu":
+            np.multiply(positions, angstrom_per_unit, out=x.numpy(), casting="same_kind")
+            energies, forces = (t.numpy() for t in self(x))
+        else:
+            x.copy_(torch.from_numpy(np.multiply(positions, angstrom_per_unit)))
+            energies, forces = self(x)
+            flat = torch.cat([energies.reshape(-1), forces.reshape(-1)]).cpu().numpy()
+            energies, forces = flat[:energies.numel()], flat[energies.numel():].reshape(forces.shape)
+        return (np.multiply(energies, energy_per_hartree, dtype=np.float64),
+                np.multiply(forces, force_unit, dtype=np.float64))

@@ -32,6 +32,18 @@ constexpr auto kFinishSpin = std::chrono::microseconds(20);
 
 thread_local bool in_region = false;
 
+// A spin-wait's time limit: over() once `limit` has passed since construction,
+// reading the clock on every 64th call only (it costs more than a pause).
+class SpinLimit {
+ public:
+  explicit SpinLimit(std::chrono::nanoseconds limit) : until_(std::chrono::steady_clock::now() + limit) {}
+  bool over() { return ++tries_ % 64 == 0 && std::chrono::steady_clock::now() > until_; }
+
+ private:
+  std::chrono::steady_clock::time_point until_;
+  int tries_ = 0;
+};
+
 // Which threads run a loop. On a quiet machine OpenMP's team (at::parallel_for)
 // is the better choice: its threads are the ones other torch work just used,
 // still spinning, while the pool's would have to wake (and compete with them):
@@ -100,10 +112,9 @@ class Pool {
   // the system descheduled mid-chunk needs a core to finish on, and on a busy
   // machine the caller's spinning would hold one that it could run on.
   void wait_for_workers() {
-    const auto spin_until = std::chrono::steady_clock::now() + kFinishSpin;
-    int tries = 0;
+    SpinLimit spin(kFinishSpin);
     while (active_.load(std::memory_order_seq_cst) != 0) {
-      if (++tries % 64 == 0 && std::chrono::steady_clock::now() > spin_until) {
+      if (spin.over()) {
         std::this_thread::yield();
       } else {
         cpu_relax();
@@ -131,10 +142,9 @@ class Pool {
   void loop() {
     uint64_t seen = generation_.load(std::memory_order_acquire);
     for (;;) {
-      const auto spin_until = std::chrono::steady_clock::now() + kSpin;
-      int tries = 0;
+      SpinLimit spin(kSpin);
       while (generation_.load(std::memory_order_acquire) == seen) {
-        if (++tries % 64 == 0 && std::chrono::steady_clock::now() > spin_until) {
+        if (spin.over()) {
           std::unique_lock<std::mutex> lock(mutex_);
           wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
           break;

@@ -42,8 +42,6 @@ def _hartree_to_kj_per_mol() -> float:
 
 #: TorchANI's own conversion factor (CODATA), so energies compare exactly.
 HARTREE_TO_KJ_PER_MOL = _hartree_to_kj_per_mol()
-#: Hartree/Å -> kJ/mol/nm (1 nm = 10 Å).
-_FORCE_SCALE = HARTREE_TO_KJ_PER_MOL * 10.0
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -190,7 +188,7 @@ class ANIComputation:
                       state["model_index"], state["dtype"], state["device"])
 
     # ------------------------------------------------------------ evaluation
-    def _build(self) -> None:
+    def _build(self, pos_nm: np.ndarray) -> None:
         from ..step import GrowingStep
 
         species = torch.tensor([self.atomic_numbers], dtype=torch.long, device=self.device)
@@ -201,7 +199,8 @@ class ANIComputation:
         # A CUDA graph would replay the neighbour search as captured, for the box
         # of the capture; a periodic box can change (barostat), so those steps
         # run eagerly, reading the cell tensor at every call. (CPU: always eager.)
-        self._step = GrowingStep(self.model, species, self._x, self._cell, self._pbc,
+        x = torch.from_numpy(pos_nm * 10.0).to(dtype=self.dtype, device=self.device).unsqueeze(0)
+        self._step = GrowingStep(self.model, species, x, self._cell, self._pbc,
                                  cuda_graph=not self.periodic)
 
     @property
@@ -239,19 +238,12 @@ class ANIComputation:
             # Into the box, in float64: OpenMM's positions drift far from the origin.
             pos = pos - np.floor(pos @ self._inv_box) @ self._box
         if self._step is None:
-            self._x = torch.from_numpy(pos * 10.0).to(dtype=self.dtype, device=self.device).unsqueeze(0)
-            self._build()  # sized and warmed up on this geometry
-        elif self.device.type == "cpu":  # nm -> A into the step's input, one NumPy call
-            np.multiply(pos, 10.0, out=self._x.numpy()[0], casting="same_kind")
-        else:
-            self._x.copy_(torch.from_numpy(pos * 10.0).unsqueeze(0))
-        energies, forces = self._step(self._x)  # (rebuilt with more room if the list overflowed)
+            self._build(pos)  # sized and warmed up on this geometry
+        # nm in, kJ/mol and kJ/mol/nm out (rebuilt with more room if the list overflowed)
+        energies, forces = self._step.host_call(pos, angstrom_per_unit=10.0,
+                                                energy_per_hartree=HARTREE_TO_KJ_PER_MOL)
         self.calls += 1
-        if self.device.type == "cpu":  # NumPy views of the step's outputs, float64 results
-            energy = float(energies.numpy()[0]) * HARTREE_TO_KJ_PER_MOL
-            return energy, np.multiply(forces.numpy()[0], _FORCE_SCALE, dtype=np.float64)
-        energy = float(energies[0]) * HARTREE_TO_KJ_PER_MOL
-        return energy, (forces[0].to(torch.float64) * _FORCE_SCALE).cpu().numpy()
+        return float(energies[0]), forces[0]
 
 
 def create_python_force(name: str, topology, atoms: tp.Optional[tp.Sequence[int]] = None, *,

@@ -10,6 +10,7 @@ themselves use the ``weights`` fixture and skip, saying how to enable them.
 """
 import copy
 import os
+import signal
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,6 +24,15 @@ import torchani_fast  # noqa: E402
 from torchani_fast.testing import random_model  # noqa: E402
 
 MOLECULES = Path(__file__).resolve().parent / "data"
+
+
+def pytest_configure(config):
+    # A test run started in the background by a script (`cmd &`, no job control)
+    # ignores SIGINT, and the CLI processes the tests start would inherit that:
+    # the tests that interrupt a run with SIGINT, as Ctrl-C does, need them to
+    # start with the default disposition (a handled signal resets at exec).
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 WEIGHTS_HINT = ("needs TorchANI's published weights: set TORCHANI_DATA_DIR to a folder with "
                 "StateDicts/ani2x_state_dict.pt (and ani1x, ani1ccx)")
 

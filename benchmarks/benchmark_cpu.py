@@ -43,6 +43,7 @@ Never part of the tests or CI. Usage::
     python benchmarks/benchmark_cpu.py --profile        # + torch.profiler table (1hz5, fast)
     python benchmarks/benchmark_cpu.py --contention 2   # beside 2 busy processes of its own
     python benchmarks/benchmark_cpu.py --calls 4        # each round: 4 calls in a row, 3 timed
+    python benchmarks/benchmark_cpu.py --loop 1         # each round: 1 s of calls in a row each
     python benchmarks/benchmark_cpu.py --model ANI2dr   # another torchani.models factory
     python benchmarks/benchmark_cpu.py --dtype float64  # both implementations in float64
 
@@ -300,7 +301,7 @@ def eager_infer_probe(base):
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
 
 
-def time_all(systems, impls, rounds, budget_s, calls=1, gap_s=0.0):
+def time_all(systems, impls, rounds, budget_s, calls=1, gap_s=0.0, loop_s=0.0):
     base = base_model()
     models, errors = {}, {}
     if "torchani-infer" in impls:
@@ -322,8 +323,11 @@ def time_all(systems, impls, rounds, budget_s, calls=1, gap_s=0.0):
             except Exception as exc:
                 errors.setdefault(impl, f"{label}: {type(exc).__name__}: {exc}".splitlines()[0][:200])
         # Rounds adapted to the slowest implementation, within the time budget.
-        slowest = max(_timed(lambda m=m: energy_forces(m, species, coords, cell, pbc)) for m in active.values())
-        n = max(5, min(rounds, int(budget_s / max(slowest * len(active) * calls, 1e-9))))
+        once = {impl: _timed(lambda m=m: energy_forces(m, species, coords, cell, pbc)) for impl, m in active.items()}
+        # --loop: each implementation's turn is a loop of its own calls lasting about loop_s.
+        turn = {impl: max(3, int(loop_s / max(t, 1e-9))) if loop_s else calls for impl, t in once.items()}
+        per_round = sum(once[impl] * turn[impl] for impl in active)
+        n = max(5, min(rounds, int(budget_s / max(per_round, 1e-9))))
         times = {impl: [] for impl in active}
         order = list(active)
         shuffle = random.Random(0).shuffle
@@ -336,7 +340,10 @@ def time_all(systems, impls, rounds, budget_s, calls=1, gap_s=0.0):
                 call = lambda m=active[impl]: energy_forces(m, species, coords, cell, pbc)  # noqa: E731
                 if gap_s:  # the previous implementation's OpenMP team stops spinning meanwhile
                     time.sleep(gap_s)
-                if calls > 1:  # a loop of its own calls: the first (after another's) untimed
+                if loop_s:  # a loop of its own calls: the median of all but the first
+                    call()
+                    times[impl].append(statistics.median(_timed(call) for _ in range(turn[impl] - 1)))
+                elif calls > 1:  # a loop of its own calls: the first (after another's) untimed
                     call()
                     times[impl].append(sum(_timed(call) for _ in range(calls - 1)) / (calls - 1))
                 else:
@@ -455,7 +462,7 @@ def stop_contention(procs):
 
 
 def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_text, quick, contention=0,
-           calls=1, gap_ms=0.0):
+           calls=1, gap_ms=0.0, loop_s=0.0):
     peak = max(peaks.values())
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     # The load average counts this benchmark's own threads while it runs.
@@ -479,13 +486,15 @@ def render(rows, errors, rss, peaks, threads, load_before, load_after, profile_t
            + (f" --model {MODEL}" if MODEL != "ANI2x" else "")
            + (f" --dtype {dtype}" if DTYPE != torch.float32 else "")
            + (f" --contention {contention}" if contention else "")
-           + (f" --calls {calls}" if calls > 1 else "")
+           + (f" --loop {loop_s:g}" if loop_s else (f" --calls {calls}" if calls > 1 else ""))
            + (f" --gap {gap_ms:g}`" if gap_ms else "`"),
            *([f"- Contention: {contention} processes of the benchmark's own, one busy loop each, ran "
               "throughout the timing (started before, stopped after)"] if contention else []),
            "", "Median wall time per call in ms (rounds interleaved, each in a shuffled order"
+           + (f"; in a round each implementation runs a loop of its own calls for about {loop_s:g} s, "
+              "timed as the median of all but its first call" if loop_s else "")
            + (f"; in a round each implementation makes {calls} calls in a row and the last {calls - 1} are "
-              "timed: a loop of its own calls" if calls > 1 else "")
+              "timed: a loop of its own calls" if calls > 1 and not loop_s else "")
            + (f"; {gap_ms:g} ms of sleep before each implementation's calls, so that the one before "
               "has stopped spinning" if gap_ms else "")
            + "); speedup = torchani / fast. "
@@ -592,6 +601,11 @@ def main():
     p.add_argument("--calls", type=int, default=1, metavar="K",
                    help="calls per implementation and round, the last K-1 timed (a loop of its own "
                         "calls, as MD and screening run; default 1: each call after another's)")
+    p.add_argument("--loop", type=float, default=0.0, metavar="S",
+                   help="each implementation's turn in a round is a loop of its own calls lasting "
+                        "about S seconds, timed as the median of all but its first call (MD and "
+                        "screening beside other jobs: no sleep between calls, which would let the "
+                        "scheduler place the next call on a shared core; overrides --calls)")
     p.add_argument("--gap", type=float, default=0.0, metavar="MS",
                    help="sleep this long before each implementation's calls in a round (TorchANI's "
                         "OpenMP threads spin for milliseconds after its call returns; default 0)")
@@ -604,6 +618,8 @@ def main():
     args = p.parse_args()
     if args.calls < 1:
         p.error(f"--calls must be >= 1, got {args.calls}")
+    if not 0 <= args.loop <= 600:
+        p.error(f"--loop must be in [0, 600] s, got {args.loop}")
     if not 0 <= args.gap <= 10000:
         p.error(f"--gap must be in [0, 10000] ms, got {args.gap}")
     global MODEL, DTYPE
@@ -620,14 +636,14 @@ def main():
     # Bounded: the busy loops end by themselves within 2 hours even if this process is killed.
     busy = start_contention(args.contention, 7200) if args.contention else []
     try:
-        rows, errors = time_all(systems, args.impls, rounds, budget, args.calls, args.gap / 1e3)
+        rows, errors = time_all(systems, args.impls, rounds, budget, args.calls, args.gap / 1e3, args.loop)
         load_after = os.getloadavg()[0]
     finally:
         stop_contention(busy)
     rss = {} if (args.no_rss or args.quick) else measure_rss(args.impls, systems, args.threads, args.quick)
     profile_text = profile_table(SYSTEMS[4]) if args.profile else ""
     section = render(rows, errors, rss, peaks, args.threads, load_before, load_after, profile_text, args.quick,
-                     args.contention, args.calls, args.gap)
+                     args.contention, args.calls, args.gap, args.loop)
     print(section)
     if not args.no_write:
         write_results(section, args.output, args.contention)

@@ -10,7 +10,7 @@ platform's step with a PythonForce that returns zeros: what any Python force
 pays there per step (the CPU platform's thread hand-offs), timed in the same
 rounds; "ours" is the overhead less that.
 
-    python benchmarks/benchmark_openmm.py --threads 1 [--platform Reference]
+    python benchmarks/benchmark_openmm.py [--threads 1] [--platform Reference]
 
 Needs openmm and openmmml, the ANI-2x weights (TORCHANI_DATA_DIR) and, for
 1hz5, the shared molecules (TORCHANI_FAST_SHARED, default ../shared).
@@ -123,7 +123,8 @@ def bare_step_ms(top, pos, box, calls):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="torch's and the CPU platform's threads (default: torch's, the cores)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--waters", type=int, default=216)
     ap.add_argument("--seconds", type=float, default=1.5, help="per potential and round (about)")

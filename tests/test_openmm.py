@@ -410,6 +410,53 @@ def test_bad_inputs_name_the_atom_or_argument():
         ctx.getState(getEnergy=True)
 
 
+def test_state_reader_reads_what_the_public_state_api_gives():
+    """The force reads positions through OpenMM's own buffer fill (~0.4 us, not ~11): the
+    same numbers as getPositions(asNumpy=True) in nm, for a subset force's State too."""
+    from torchani_fast.openmm.force import _StateReader
+
+    def system_with(compute, particles, subset=None, box=None):
+        system = openmm.System()
+        for _ in range(particles):
+            system.addParticle(1.0)
+        force = openmm.PythonForce(compute)
+        if subset is not None:
+            force.setParticles(subset)
+        if box is not None:
+            system.setDefaultPeriodicBoxVectors(*[openmm.Vec3(*r) for r in box])
+            force.setUsesPeriodicBoundaryConditions(True)
+        system.addForce(force)
+        return system
+
+    reader = _StateReader(4)
+    assert reader.fast, "OpenMM 8.x has State._getVectorAsNumpy: the fast path must be taken"
+    seen = []
+
+    def compute(state):
+        fast = reader.positions(state).copy()
+        public = state.getPositions(asNumpy=True).value_in_unit(unit.nanometer)
+        box = state.getPeriodicBoxVectors(asNumpy=True).value_in_unit(unit.nanometer)
+        seen.append((fast, public, reader.box(state), box))
+        return 0.0, np.zeros((4, 3))
+
+    box = np.array([[2.0, 0, 0], [0.3, 2.1, 0], [-0.2, 0.4, 1.9]])
+    pos = np.random.default_rng(5).uniform(-3, 3, (7, 3))
+    _context(system_with(compute, 7, [6, 0, 3, 2], box), pos, box).getState(getEnergy=True)
+    fast, public, box_read, box_public = seen[-1]
+    assert fast.shape == (4, 3)
+    np.testing.assert_array_equal(fast, public)
+    np.testing.assert_array_equal(box_read, box_public)
+
+    reader.fast = False  # the public path, as on an OpenMM without the method
+    _context(system_with(compute, 7, [6, 0, 3, 2], box), pos, box).getState(getEnergy=True)
+    np.testing.assert_array_equal(seen[-1][0], public)
+
+    wrong = _StateReader(5)
+    ctx = _context(system_with(lambda st: (wrong.positions(st), (0.0, np.zeros((4, 3))))[1], 4), pos[:4])
+    with pytest.raises(openmm.OpenMMException, match="the State has 4 positions, the force 5 atoms"):
+        ctx.getState(getEnergy=True)
+
+
 # --------------------------------------------------------------------------- TorchForce export
 def _as_torchforce(module, pos_nm, box_nm=None, dtype=torch.float64):
     """Call the module the way OpenMM-Torch's TorchForce does: energy, then -d/dpositions."""

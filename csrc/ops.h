@@ -39,8 +39,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
-#include "common/parallel.h"
-
 namespace torchani_fast {
 
 // Pairs of atoms closer than `cutoff`, each unordered pair (and each periodic
@@ -128,7 +126,6 @@ struct AevOp {
                 const at::Tensor& angular_sections, double radial_cutoff, double angular_cutoff,
                 int64_t num_species, int64_t cutoff_kind, int64_t cutoff_order,
                 double cutoff_eps) {
-    const SmallWork few_atoms(species.numel());  // (common/parallel.h; only the CPU's loops read it)
     return kernel(lead..., species, pairs, diff_vectors,
                   AEVParams{radial_eta, radial_shifts, angular_eta, angular_zeta, angular_shifts,
                             angular_sections, radial_cutoff, angular_cutoff, num_species,

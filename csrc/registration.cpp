@@ -118,9 +118,9 @@ TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
 // itself (no pybind11, only the C API of Python) holds two functions:
 // _C.simd_level(cap) -> the instruction-set level the CPU kernels use
 // (common/simd_math.h), after capping it at `cap` if cap >= 0 (torchani_fast.cpu_isa);
-// _C.parallel_counts(regions, alone) -> (team, pool, alone, pool regions left,
-// small regions left alone): the CPU loops' counters (common/parallel.h), after
-// setting the last two to `regions` and `alone` if regions >= 0 (tests).
+// _C.parallel_counts(regions) -> (team, pool, pool loops left): the CPU loops'
+// counters (common/parallel.h), after setting the pool's loops left to
+// `regions` if regions >= 0 (tests).
 namespace {
 PyObject* simd_level(PyObject*, PyObject* args) {
   int cap = -1;
@@ -129,19 +129,17 @@ PyObject* simd_level(PyObject*, PyObject* args) {
   return PyLong_FromLong(torchani_fast::simd::level());
 }
 PyObject* parallel_counts(PyObject*, PyObject* args) {
-  int regions = -1, alone = 0;
-  if (!PyArg_ParseTuple(args, "i|i", &regions, &alone)) return nullptr;
-  if (regions >= 0) torchani_fast::set_pool_regions(regions, alone);
+  int regions = -1;
+  if (!PyArg_ParseTuple(args, "i", &regions)) return nullptr;
+  if (regions >= 0) torchani_fast::set_pool_regions(regions);
   const auto c = torchani_fast::parallel_counts();
-  return Py_BuildValue("(LLLLL)", static_cast<long long>(c.team), static_cast<long long>(c.pool),
-                       static_cast<long long>(c.alone), static_cast<long long>(c.pool_regions_left),
-                       static_cast<long long>(c.small_alone_left));
+  return Py_BuildValue("(LLL)", static_cast<long long>(c.team), static_cast<long long>(c.pool),
+                       static_cast<long long>(c.pool_regions_left));
 }
 PyMethodDef methods[] = {
     {"simd_level", simd_level, METH_VARARGS, "simd_level(cap) -> level (cap < 0: unchanged)"},
     {"parallel_counts", parallel_counts, METH_VARARGS,
-     "parallel_counts(regions, alone=0) -> (team, pool, alone, pool regions left, small regions "
-     "left alone) (regions < 0: unchanged)"},
+     "parallel_counts(regions) -> (team, pool, pool loops left) (regions < 0: unchanged)"},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 

@@ -31,8 +31,7 @@ constexpr auto kSpin = std::chrono::microseconds(50);
 constexpr auto kFinishSpin = std::chrono::microseconds(20);
 
 thread_local bool in_region = false;
-thread_local int small_work = 0;  // depth of small SmallWork scopes on this thread
-std::atomic<int64_t> team_regions{0}, pool_run_regions{0}, alone_regions{0};
+std::atomic<int64_t> team_regions{0}, pool_run_regions{0};
 
 // A spin-wait's time limit: over() once `limit` has passed since construction,
 // reading the clock on every 64th call only (it costs more than a pause).
@@ -57,13 +56,6 @@ class SpinLimit {
 constexpr auto kLateStart = std::chrono::nanoseconds(2'000'000);
 constexpr int kPoolRegions = 4000;
 std::atomic<int> pool_regions{0};
-// A small op's region (SmallWork) whose caller waited more than kSmallStall for
-// a worker's chunk (chunks of microseconds: the worker was descheduled) sends
-// the next kSmallAlone small regions to the caller alone. A hiccup that only
-// made one team thread start late (a quiet machine) leaves small regions shared.
-constexpr auto kSmallStall = std::chrono::microseconds(200);
-constexpr int kSmallAlone = 2000;
-std::atomic<int> small_alone{0};
 
 class Pool {
  public:
@@ -78,13 +70,12 @@ class Pool {
     return pool;
   }
 
-  // Returns whether the caller waited more than kSmallStall for workers.
-  bool run(int64_t begin, int64_t end, int64_t chunk, int threads,
+  void run(int64_t begin, int64_t end, int64_t chunk, int threads,
            const std::function<void(int64_t, int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (!busy.owns_lock()) {  // another thread's region is running: this one runs alone
       fn(begin, end);
-      return false;
+      return;
     }
     start_workers(threads - 1);
     fn_ = &fn;
@@ -103,9 +94,8 @@ class Pool {
     open_.store(false, std::memory_order_seq_cst);
     // Only workers inside this job are waited for; one that has not started
     // sees the job closed and leaves it.
-    const bool stalled = wait_for_workers();
+    wait_for_workers();
     if (error_) std::rethrow_exception(error_);
-    return stalled;
   }
 
  private:
@@ -122,10 +112,7 @@ class Pool {
   // is usually microseconds from its end), then yielding the core: a worker
   // the system descheduled mid-chunk needs a core to finish on, and on a busy
   // machine the caller's spinning would hold one that it could run on.
-  // Returns whether that took more than kSmallStall.
-  bool wait_for_workers() {
-    if (active_.load(std::memory_order_seq_cst) == 0) return false;
-    const auto start = std::chrono::steady_clock::now();
+  void wait_for_workers() {
     SpinLimit spin(kFinishSpin);
     while (active_.load(std::memory_order_seq_cst) != 0) {
       if (spin.over()) {
@@ -134,7 +121,6 @@ class Pool {
         cpu_relax();
       }
     }
-    return std::chrono::steady_clock::now() - start > kSmallStall;
   }
 
   // Claim chunks until none are left; the first exception stops every thread.
@@ -209,19 +195,10 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
   }
   if (pool_regions.load(std::memory_order_relaxed) > 0) {
     pool_regions.fetch_sub(1, std::memory_order_relaxed);
-    // Too little work to share while small regions' workers stall (parallel.h).
-    if (small_work > 0 && small_alone.load(std::memory_order_relaxed) > 0) {
-      small_alone.fetch_sub(1, std::memory_order_relaxed);
-      alone_regions.fetch_add(1, std::memory_order_relaxed);
-      fn(begin, end);
-      return;
-    }
     pool_run_regions.fetch_add(1, std::memory_order_relaxed);
     // A few chunks per thread, so that a late worker's share is small.
     const int64_t chunk = std::max<int64_t>(grain, (n + 4 * threads - 1) / (4 * threads));
-    if (Pool::instance()->run(begin, end, chunk, threads, fn) && small_work > 0) {
-      small_alone.store(kSmallAlone, std::memory_order_relaxed);
-    }
+    Pool::instance()->run(begin, end, chunk, threads, fn);
     return;
   }
   // OpenMP's team, whose threads are already awake after other torch work; a
@@ -243,22 +220,10 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
   }
 }
 
-SmallWork::SmallWork(int64_t atoms) : small_(atoms <= kSmallWorkAtoms) {
-  if (small_) ++small_work;
-}
-
-SmallWork::~SmallWork() {
-  if (small_) --small_work;
-}
-
 ParallelCounts parallel_counts() {
-  return {team_regions.load(), pool_run_regions.load(), alone_regions.load(), pool_regions.load(),
-          small_alone.load()};
+  return {team_regions.load(), pool_run_regions.load(), pool_regions.load()};
 }
 
-void set_pool_regions(int regions, int small_alone_regions) {
-  pool_regions.store(std::max(regions, 0));
-  small_alone.store(std::max(small_alone_regions, 0));
-}
+void set_pool_regions(int regions) { pool_regions.store(std::max(regions, 0)); }
 
 }  // namespace torchani_fast

@@ -30,18 +30,6 @@
 // number of threads is at::get_num_threads(). An fn that calls BLAS keeps it
 // to one thread (ensemble/gemm.h, OneThreadBlas): an OpenMP-threaded BLAS does
 // not know it runs inside a pool loop.
-//
-// Work size under oversubscription: an op on few atoms (SmallWork below: at
-// most kSmallWorkAtoms) has regions of microseconds to tens of microseconds,
-// and there a worker that joins and is then descheduled mid-chunk costs the
-// caller more (it waits for that chunk, up to a time slice) than the second
-// thread can save. So in the pool's mode, once the caller of such a region
-// waited more than 200 us for a worker (a descheduled one: the chunks take
-// microseconds), the next 2000 small regions run on the calling thread alone;
-// they count towards the pool's regions, after which OpenMP's team is tried
-// again. A quiet machine (OpenMP's team; or the pool after a single late start,
-// whose workers finish promptly) shares them as before. Either way the results
-// are the same bits.
 #pragma once
 
 #include <cstdint>
@@ -52,34 +40,16 @@ namespace torchani_fast {
 void parallel_for(int64_t begin, int64_t end, int64_t grain,
                   const std::function<void(int64_t, int64_t)>& fn);
 
-// An op's regions inside this scope (on this thread) are "small" when `atoms`
-// (the atoms of the op's call, all molecules together) is at most
-// kSmallWorkAtoms. Scopes nest; an inner scope on more atoms does not undo an
-// outer small one. 64: beside two busy processes, alone against shared, the
-// 46-atom ligand took 3.46 ms against 3.66, 30-48-atom cells 5-7% less; 78
-// atoms the same (7.54 / 7.48).
-constexpr int64_t kSmallWorkAtoms = 64;
-class SmallWork {
- public:
-  explicit SmallWork(int64_t atoms);
-  ~SmallWork();
-  SmallWork(const SmallWork&) = delete;
-  SmallWork& operator=(const SmallWork&) = delete;
-
- private:
-  bool small_;
-};
-
-// Regions run so far (process-wide): by OpenMP's team, by the pool, and alone
-// as SmallWork under oversubscription; the pool's regions left, and the small
-// regions left to run alone. For the tests and profiles: _C.parallel_counts.
+// Loops run so far (process-wide) by OpenMP's team and by the pool, and the
+// pool's loops left before OpenMP's team is tried again. For the tests and
+// profiles (_C.parallel_counts): a benchmark that is slower in some rounds can
+// see whether the pool ran them.
 struct ParallelCounts {
-  int64_t team, pool, alone, pool_regions_left, small_alone_left;
+  int64_t team, pool, pool_regions_left;
 };
 ParallelCounts parallel_counts();
-// Sets the pool's regions left, as a late thread does, and the small regions
-// left to run alone, as a stalled small region does (tests: those modes without
-// a busy machine; 0 ends them).
-void set_pool_regions(int regions, int small_alone_regions);
+// Sets the pool's loops left, as a late thread does (tests: the pool without a
+// busy machine; 0 ends it).
+void set_pool_regions(int regions);
 
 }  // namespace torchani_fast

@@ -483,7 +483,6 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_cpu(
     at::TensorList columns, at::TensorList first, at::TensorList packs, at::TensorList panels,
     at::IntArrayRef layers, int64_t members, bool input_grad, bool zero_blocks_exact,
     int64_t activation) {
-  const SmallWork few_atoms(atoms.numel());
   TORCH_CHECK(activation == small_gemm::kCelu01 || activation == small_gemm::kGelu,
               "ensemble_mlp: activation = ", activation, " must be 0 (CELU(0.1)) or 1 (GELU)");
   TORCH_CHECK(aev.dim() == 2 && aev.is_contiguous(),

@@ -22,7 +22,6 @@ std::tuple<at::Tensor, at::Tensor> group_atoms_cpu(const at::Tensor& elem_idxs,
                                                    int64_t num_species,
                                                    const c10::optional<at::Tensor>& aev,
                                                    int64_t radial_sublen, int64_t split_min_atoms) {
-  const SmallWork few_atoms(elem_idxs.numel());
   TORCH_CHECK(elem_idxs.scalar_type() == at::kLong || elem_idxs.scalar_type() == at::kInt,
               "group_atoms: elem_idxs must be int64 or int32, got ", elem_idxs.scalar_type());
   TORCH_CHECK(num_species >= 1 && num_species <= 62, "group_atoms: num_species = ", num_species,

@@ -21,7 +21,6 @@ using namespace ensemble_detail;
 at::Tensor ensemble_mlp_backward_cpu(const at::Tensor& grad_values, const at::Tensor& atoms,
                                      at::IntArrayRef sizes, at::TensorList columns,
                                      const at::Tensor& jacobian, int64_t features) {
-  const SmallWork few_atoms(atoms.numel());
   TORCH_CHECK(grad_values.dim() == 2,
               "ensemble_mlp_backward: grad_values must be (members, atoms), got ", grad_values.sizes());
   TORCH_CHECK(grad_values.scalar_type() == jacobian.scalar_type(),

@@ -440,7 +440,6 @@ at::Tensor ensemble_train(const at::Tensor& aev, const at::Tensor& atoms, at::In
                           at::TensorList columns, at::TensorList first, at::TensorList packs,
                           at::IntArrayRef layers, int64_t members, int64_t small,
                           int64_t activation) {
-  const SmallWork few_atoms(atoms.numel());
   TORCH_CHECK(aev.dim() == 2 && aev.is_floating_point(),
               "ensemble_train: aev must be a 2-D floating-point tensor (atoms, features), got ",
               aev.sizes(), " ", aev.scalar_type());

@@ -364,7 +364,6 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const char* op, const at::Tensor& 
                                               const c10::optional<at::Tensor>& cell,
                                               const c10::optional<at::Tensor>& pbc, double cutoff,
                                               bool cell_list) {
-  const SmallWork few_atoms(species.numel());
   check_neighbor_inputs(op, species, coords, cell, pbc, cutoff);
   double cell_d[9];
   bool pbc_h[3] = {false, false, false};
@@ -439,7 +438,6 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& coords,
                                                     const at::Tensor& pairs,
                                                     const c10::optional<at::Tensor>& images,
                                                     const c10::optional<at::Tensor>& cell) {
-  const SmallWork few_atoms(coords.numel() / 3);
   const char* op = "torchani_fast::pair_vectors";
   TORCH_CHECK(coords.dim() == 2 && coords.size(1) == 3 && at::isFloatingType(coords.scalar_type()),
               op, ": coords must be a float (atoms, 3) tensor, got ", coords.scalar_type(), " ",
@@ -497,7 +495,6 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& coords,
 
 at::Tensor pair_vectors_backward_cpu(const at::Tensor& grad, const at::Tensor& pairs,
                                      int64_t num_atoms) {
-  const SmallWork few_atoms(num_atoms);
   const char* op = "torchani_fast::pair_vectors_backward";
   TORCH_CHECK(num_atoms >= 0, op, ": num_atoms must be >= 0, got ", num_atoms);
   const at::Tensor idx = checked_pairs(op, pairs, num_atoms);

@@ -189,7 +189,6 @@ std::tuple<at::Tensor, at::Tensor> repulsion_xtb_cpu(
     const at::Tensor& elem_idxs, const at::Tensor& pairs, const at::Tensor& distances,
     const c10::optional<at::Tensor>& ghost_flags, bool atomic, bool derivatives,
     const RepulsionParams& p) {
-  const SmallWork few_atoms(elem_idxs.numel());
   const char* op = "torchani_fast::repulsion_xtb";
   check_pair_inputs(op, elem_idxs, pairs, distances, ghost_flags, p.cut);
   check_repulsion_params(op, p, distances);
@@ -241,7 +240,6 @@ std::tuple<at::Tensor, at::Tensor> dispersion_d3_cpu(
     const at::Tensor& elem_idxs, const at::Tensor& pairs, const at::Tensor& distances,
     const c10::optional<at::Tensor>& ghost_flags, bool atomic, bool derivatives,
     const D3Params& p) {
-  const SmallWork few_atoms(elem_idxs.numel());
   const char* op = "torchani_fast::dispersion_d3";
   check_pair_inputs(op, elem_idxs, pairs, distances, ghost_flags, p.cut);
   check_d3_params(op, p, distances);
@@ -423,7 +421,6 @@ std::tuple<at::Tensor, at::Tensor> dispersion_d3_cpu(
 at::Tensor pair_energies_backward_cpu(const at::Tensor& grad_energies, const at::Tensor& derivs,
                                       const at::Tensor& pairs, const at::Tensor& elem_idxs,
                                       bool atomic) {
-  const SmallWork few_atoms(elem_idxs.numel());
   const char* op = "torchani_fast::pair_energies_backward";
   TORCH_CHECK(pairs.dim() == 2 && pairs.size(0) == 2 && pairs.scalar_type() == at::kLong, op,
               ": pairs must be an int64 (2, pairs) tensor, got ", pairs.scalar_type(), " ",

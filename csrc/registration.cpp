@@ -118,9 +118,10 @@ TORCH_LIBRARY_IMPL(torchani_fast, Autograd, m) {
 // itself (no pybind11, only the C API of Python) holds two functions:
 // _C.simd_level(cap) -> the instruction-set level the CPU kernels use
 // (common/simd_math.h), after capping it at `cap` if cap >= 0 (torchani_fast.cpu_isa);
-// _C.parallel_counts(regions) -> (team, pool, pool loops left): the CPU loops'
-// counters (common/parallel.h), after setting the pool's loops left to
-// `regions` if regions >= 0 (tests).
+// _C.parallel_counts(regions[, late_start_ns]) -> (team, pool, pool loops left,
+// pool's last stretch): the CPU loops' counters (common/parallel.h), after
+// setting the pool's loops left to `regions` if regions >= 0 and the late start
+// that turns the pool on if late_start_ns is given (< 0: the default) (tests).
 namespace {
 PyObject* simd_level(PyObject*, PyObject* args) {
   int cap = -1;
@@ -130,16 +131,20 @@ PyObject* simd_level(PyObject*, PyObject* args) {
 }
 PyObject* parallel_counts(PyObject*, PyObject* args) {
   int regions = -1;
-  if (!PyArg_ParseTuple(args, "i", &regions)) return nullptr;
+  long long late_start = 0;
+  if (!PyArg_ParseTuple(args, "i|L", &regions, &late_start)) return nullptr;
+  if (PyTuple_Size(args) > 1) torchani_fast::set_late_start(late_start);
   if (regions >= 0) torchani_fast::set_pool_regions(regions);
   const auto c = torchani_fast::parallel_counts();
-  return Py_BuildValue("(LLL)", static_cast<long long>(c.team), static_cast<long long>(c.pool),
-                       static_cast<long long>(c.pool_regions_left));
+  return Py_BuildValue("(LLLL)", static_cast<long long>(c.team), static_cast<long long>(c.pool),
+                       static_cast<long long>(c.pool_regions_left),
+                       static_cast<long long>(c.pool_period));
 }
 PyMethodDef methods[] = {
     {"simd_level", simd_level, METH_VARARGS, "simd_level(cap) -> level (cap < 0: unchanged)"},
     {"parallel_counts", parallel_counts, METH_VARARGS,
-     "parallel_counts(regions) -> (team, pool, pool loops left) (regions < 0: unchanged)"},
+     "parallel_counts(regions[, late_start_ns]) -> (team, pool, pool loops left, pool's last "
+     "stretch) (regions < 0: unchanged)"},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 

@@ -47,15 +47,36 @@ class SpinLimit {
 
 // Which threads run a loop. On a quiet machine OpenMP's team (at::parallel_for)
 // is the better choice: its threads are the ones other torch work just used,
-// still spinning, while the pool's would have to wake (and compete with them):
-// an interleaved benchmark ran 10-20% slower on the pool alone. A region whose
-// thread starts more than kLateStart after the caller (a thread the system
-// descheduled; waking a sleeping one takes well under a millisecond) sends the
-// next kPoolRegions regions (some hundred calls) to the pool, which does not
-// wait for such threads; then OpenMP's team is tried again.
-constexpr auto kLateStart = std::chrono::nanoseconds(2'000'000);
-constexpr int kPoolRegions = 4000;
+// still spinning, while the pool's sleep after kSpin and must be woken (the
+// 973-atom 1hz5 ran 9% slower on the pool alone: its neighbour search, 0.84 ms
+// on the team, took 1.72). A region whose thread starts more than late_start
+// after the caller (a thread the system descheduled; waking a sleeping one
+// takes well under a millisecond) sends the next loops to the pool, which does
+// not wait for such threads; then OpenMP's team is tried again. How many loops:
+// kFirstPoolRegions at first, so that a quiet machine's rare hiccup (a VM's
+// host, a daemon) costs a short stretch on the slower pool; twice the last
+// stretch (up to kMaxPoolRegions) when the team is late again within kSoon
+// loops of its return, so that a machine that stays busy pays a team region's
+// stall (up to a time slice) once per long stretch; kFirstPoolRegions again
+// after kSoon punctual loops.
+constexpr int64_t kLateStartNs = 2'000'000;
+constexpr int kFirstPoolRegions = 100;
+constexpr int kMaxPoolRegions = 12800;
+constexpr int64_t kSoon = 1000;
+std::atomic<int64_t> late_start{kLateStartNs};
 std::atomic<int> pool_regions{0};
+std::atomic<int> pool_period{kFirstPoolRegions};   // the last stretch's loops
+std::atomic<int64_t> team_since_pool{kSoon};        // punctual team loops since then
+
+// A team region started late: the pool's next stretch.
+void send_to_pool() {
+  const bool again = team_since_pool.load(std::memory_order_relaxed) < kSoon;
+  const int period = again ? std::min(2 * pool_period.load(std::memory_order_relaxed), kMaxPoolRegions)
+                           : kFirstPoolRegions;
+  pool_period.store(period, std::memory_order_relaxed);
+  team_since_pool.store(0, std::memory_order_relaxed);
+  pool_regions.store(period, std::memory_order_relaxed);
+}
 
 class Pool {
  public:
@@ -215,15 +236,25 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
     }
     fn(b, e);
   });
-  if (latest.load(std::memory_order_relaxed) > kLateStart.count()) {
-    pool_regions.store(kPoolRegions, std::memory_order_relaxed);
+  if (latest.load(std::memory_order_relaxed) > late_start.load(std::memory_order_relaxed)) {
+    send_to_pool();
+  } else {
+    team_since_pool.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
 ParallelCounts parallel_counts() {
-  return {team_regions.load(), pool_run_regions.load(), pool_regions.load()};
+  return {team_regions.load(), pool_run_regions.load(), pool_regions.load(), pool_period.load()};
 }
 
-void set_pool_regions(int regions) { pool_regions.store(std::max(regions, 0)); }
+void set_pool_regions(int regions) {
+  pool_regions.store(std::max(regions, 0));
+  if (regions == 0) {  // and forget the earlier stretches
+    pool_period.store(kFirstPoolRegions);
+    team_since_pool.store(kSoon);
+  }
+}
+
+int64_t set_late_start(int64_t ns) { return late_start.exchange(ns < 0 ? kLateStartNs : ns); }
 
 }  // namespace torchani_fast

@@ -8,8 +8,9 @@
 //
 // parallel_for below runs a loop on OpenMP's team (at::parallel_for) while
 // the machine is quiet: those threads are still awake after other torch work.
-// When one of them starts its share late (descheduled), the next few thousand
-// loops go to torchani_fast's own pool instead, which
+// When one of them starts its share late (descheduled), the next loops (100 at
+// first, more while the machine stays busy: parallel.cpp) go to torchani_fast's
+// own pool instead, which
 // splits [begin, end) into chunks that the calling thread
 // and torchani_fast's worker threads claim one at a time from a shared counter.
 // The caller waits only for chunks that a worker has already claimed (spinning
@@ -40,16 +41,20 @@ namespace torchani_fast {
 void parallel_for(int64_t begin, int64_t end, int64_t grain,
                   const std::function<void(int64_t, int64_t)>& fn);
 
-// Loops run so far (process-wide) by OpenMP's team and by the pool, and the
-// pool's loops left before OpenMP's team is tried again. For the tests and
-// profiles (_C.parallel_counts): a benchmark that is slower in some rounds can
-// see whether the pool ran them.
+// Loops run so far (process-wide) by OpenMP's team and by the pool, the
+// pool's loops left before OpenMP's team is tried again, and the length of the
+// pool's last stretch. For the tests and profiles (_C.parallel_counts): a
+// benchmark that is slower in some rounds can see whether the pool ran them.
 struct ParallelCounts {
-  int64_t team, pool, pool_regions_left;
+  int64_t team, pool, pool_regions_left, pool_period;
 };
 ParallelCounts parallel_counts();
 // Sets the pool's loops left, as a late thread does (tests: the pool without a
-// busy machine; 0 ends it).
+// busy machine; 0 ends it and forgets the earlier stretches).
 void set_pool_regions(int regions);
+// Sets how late (ns) a team thread may start before the pool takes the next
+// loops (tests: 0 makes every team loop late, as a busy machine does; < 0
+// restores 2 ms); returns the previous value.
+int64_t set_late_start(int64_t ns);
 
 }  // namespace torchani_fast

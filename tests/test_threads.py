@@ -111,11 +111,11 @@ def test_a_machine_that_stays_busy_sends_longer_stretches_to_the_pool(model):
     from torchani_fast import _C
 
     z, x = random_molecule(46, seed=1)
-    m = model.to(torch.float32)
+    m, x = model.to(torch.float32), x.float()
 
     def calls(k):
         for _ in range(k):
-            energy_forces(m, z, x.float(), None, None)
+            energy_forces(m, z, x, None, None)
 
     _C.parallel_counts(0, 0)
     try:

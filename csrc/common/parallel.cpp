@@ -65,16 +65,18 @@ constexpr int kMaxPoolRegions = 12800;
 constexpr int64_t kSoon = 1000;
 std::atomic<int64_t> late_start{kLateStartNs};
 std::atomic<int> pool_regions{0};
-std::atomic<int> pool_period{kFirstPoolRegions};   // the last stretch's loops
-std::atomic<int64_t> team_since_pool{kSoon};        // punctual team loops since then
+std::atomic<int> pool_period{kFirstPoolRegions};  // the last stretch's loops
+std::atomic<int64_t> team_at_late{-kSoon};         // team_regions when the team was last late
 
-// A team region started late: the pool's next stretch.
+// A team region started late: the pool's next stretch. (team_regions counts
+// this region too: team - team_at_late - 1 team loops were punctual since.)
 void send_to_pool() {
-  const bool again = team_since_pool.load(std::memory_order_relaxed) < kSoon;
+  const int64_t team = team_regions.load(std::memory_order_relaxed);
+  const bool again = team - team_at_late.load(std::memory_order_relaxed) <= kSoon;
   const int period = again ? std::min(2 * pool_period.load(std::memory_order_relaxed), kMaxPoolRegions)
                            : kFirstPoolRegions;
   pool_period.store(period, std::memory_order_relaxed);
-  team_since_pool.store(0, std::memory_order_relaxed);
+  team_at_late.store(team, std::memory_order_relaxed);
   pool_regions.store(period, std::memory_order_relaxed);
 }
 
@@ -238,8 +240,6 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
   });
   if (latest.load(std::memory_order_relaxed) > late_start.load(std::memory_order_relaxed)) {
     send_to_pool();
-  } else {
-    team_since_pool.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
@@ -251,10 +251,10 @@ void set_pool_regions(int regions) {
   pool_regions.store(std::max(regions, 0));
   if (regions == 0) {  // and forget the earlier stretches
     pool_period.store(kFirstPoolRegions);
-    team_since_pool.store(kSoon);
+    team_at_late.store(team_regions.load() - kSoon);
   }
 }
 
-int64_t set_late_start(int64_t ns) { return late_start.exchange(ns < 0 ? kLateStartNs : ns); }
+void set_late_start(int64_t ns) { late_start.store(ns < 0 ? kLateStartNs : ns); }
 
 }  // namespace torchani_fast

@@ -54,7 +54,7 @@ ParallelCounts parallel_counts();
 void set_pool_regions(int regions);
 // Sets how late (ns) a team thread may start before the pool takes the next
 // loops (tests: 0 makes every team loop late, as a busy machine does; < 0
-// restores 2 ms); returns the previous value.
-int64_t set_late_start(int64_t ns);
+// restores 2 ms).
+void set_late_start(int64_t ns);
 
 }  // namespace torchani_fast

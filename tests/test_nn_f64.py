@@ -117,6 +117,46 @@ def test_gradcheck_and_gradgradcheck_with_panels():
     assert torch.autograd.gradgradcheck(energies, (x,))
 
 
+@pytest.mark.parametrize("zero_chunks", [False, True], ids=["dense", "zero-chunks"])
+def test_backward_from_w_same_bits_as_stored_wt(zero_chunks):
+    # 300 rows in one group: 4 blocks of 75, so the backward multiplies by the
+    # stored W^T panels (ensemble/ensemble_cpu.cpp, kStoredMinBlocks); the same
+    # rows as three groups of 100 (2 blocks each): with AVX-512 their backward
+    # makes W^T's panels from W's (panel_nt_f64), with AVX2 it reads the stored
+    # ones. The 288-wide layer is wider than panel_nt_f64's slab (256): stored
+    # W^T for every group. Each J entry sums the same products in the same
+    # order either way: the same bits, at every level. With zero chunks (and
+    # zero_blocks_exact) J skips the 16-column chunks a row's AEV lacks, whole
+    # slabs too (chunks 0 and 1 are 0 in every row); the chunks a row has are compared.
+    members = 2
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(
+        torch.float64, members, [96, 288, 48], [64], [300], features=128)
+    if zero_chunks:
+        g = torch.Generator().manual_seed(3)
+        cols = columns[0]
+        zero = torch.rand(300, 4, generator=g) < 0.4
+        zero[:, :2] = True
+        for r, a in enumerate(atoms.tolist()):
+            for c in zero[r].nonzero().flatten().tolist():
+                aev[a, cols[16 * c: 16 * c + 16]] = 0
+    compared = (aev[atoms][:, columns[0]] != 0).view(300, 4, 16).any(2).repeat_interleave(16, 1).flatten()
+    assert zero_chunks != bool(compared.all())
+    panels = panels_of(first, packs, layers, members)
+    v_ref, j_ref = reference(aev, atoms, sizes, columns, mlps)
+    three = [100, 100, 100]
+    for level in _levels()[1:]:  # the panel levels
+        values, jac = _at(level, lambda: op(aev, atoms, sizes, columns, first, packs, panels, layers,
+                                            members, True, zero_chunks))
+        torch.testing.assert_close(values, v_ref, **TOL)
+        torch.testing.assert_close(jac[compared], j_ref[compared], **TOL)
+        v3, j3 = _at(level, lambda: op(aev, atoms, three, columns * 3, first * 3, packs * 3, panels * 3,
+                                       layers * 3, members, True, zero_chunks))
+        assert torch.equal(values, v3)
+        assert torch.equal(jac[compared], j3[compared])
+        if zero_chunks:  # chunks 0 and 1: no row has them, J is 0 there
+            assert not j3.view(300, 64)[:, :32].any()
+
+
 def test_panels_of_another_dtype_are_refused():
     members = 2
     aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float64, members, [32, 16], [16], [3])

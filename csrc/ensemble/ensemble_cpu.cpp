@@ -185,9 +185,21 @@ void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, 
       return;
     }
   } else {
-    // (W^T made from W's panels in L1, as the float32 AVX-512 backward does,
-    // was slower in float64: 1hz5 energy + forces 152-158 -> 102 ms with the stored W^T.)
+    // With AVX-512 a group of fewer than kStoredMinBlocks blocks makes W^T's
+    // panels from W's in L1 (panel_nt_f64: the same bits), as the float32
+    // backward does: W is in L2 after the forward, W^T (as many bytes again)
+    // streams from L3. Energy + forces, 2 threads, alternating processes, ms
+    // hot / after a 64 MB sweep: 2iuz 3.31-3.42 / 4.27-4.51 against
+    // 3.69-4.52 / 5.09-5.78, 3o99 5.74-6.02 / 6.55-6.73 against 6.83-7.62 /
+    // 7.51-8.25. Larger groups read the stored W^T (stored_wt): an earlier
+    // version that made W^T for every block of every group ran 1hz5 in
+    // 152-158 ms against 102.
     if (l < static_cast<int64_t>(net.panel_bwd.size())) {
+      if (!net.stored_wt && small_gemm::panel_nt_f64_supported(din, dout)) {
+        small_gemm::panel_nt_f64(rows, din, dout, g, dout, net.panel_fwd[l] + m * din * dout,
+                                 accumulate, deriv, din, out, din, chunks);
+        return;
+      }
       small_gemm::panel_gemm_f64(rows, din, dout, g, dout, net.panel_bwd[l] + m * din * dout,
                                  nullptr, accumulate, deriv, din, out, din, nullptr, chunks);
       return;
@@ -395,7 +407,10 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     int64_t bytes = 0;
     for (const auto& net : nets) bytes += panel_bytes(net);
     for (auto& net : nets) {
-      if (net.blocks >= kStoredMinBlocks && bytes + panel_bytes(net) <= kStoredMaxBytes) {
+      // (float64 keeps the stored W^T for every group of many blocks: the
+      // per-block transposes of double panels cost more than reading them.)
+      const bool fits = sizeof(T) == sizeof(double) || bytes + panel_bytes(net) <= kStoredMaxBytes;
+      if (net.blocks >= kStoredMinBlocks && fits) {
         net.stored_wt = true;
         bytes += panel_bytes(net);
       }

@@ -249,6 +249,68 @@ TF_AVX512 inline void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, con
   }
 }
 
+// dst[j * ldd + i] = src[i * lds + j] for an 8 x 8 block of doubles: pairs
+// of rows interleaved, then 128-bit lanes gathered twice (24 shuffles).
+TF_AVX512_INLINE void transpose8x8_f64(const double* src, int64_t lds, double* dst, int64_t ldd) {
+  __m512d r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_pd(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm512_unpacklo_pd(r[i], r[i + 1]);      // (r_i[0], r_i+1[0]), (r_i[2], r_i+1[2]), ...
+    t[i + 1] = _mm512_unpackhi_pd(r[i], r[i + 1]);  // (r_i[1], r_i+1[1]), (r_i[3], r_i+1[3]), ...
+  }
+  for (int h = 0; h < 8; h += 4) {  // lanes 0, 2 (0x88) and 1, 3 (0xDD) of two pairs of rows
+    r[h] = _mm512_shuffle_f64x2(t[h], t[h + 2], 0x88);
+    r[h + 1] = _mm512_shuffle_f64x2(t[h + 1], t[h + 3], 0x88);
+    r[h + 2] = _mm512_shuffle_f64x2(t[h], t[h + 2], 0xDD);
+    r[h + 3] = _mm512_shuffle_f64x2(t[h + 1], t[h + 3], 0xDD);
+  }
+  for (int j = 0; j < 4; ++j) {  // column j from r[j] and r[4 + j], column j + 4 likewise
+    _mm512_storeu_pd(dst + j * ldd, _mm512_shuffle_f64x2(r[j], r[4 + j], 0x88));
+    _mm512_storeu_pd(dst + (j + 4) * ldd, _mm512_shuffle_f64x2(r[j], r[4 + j], 0xDD));
+  }
+}
+
+// dst[j * 16 + i] = src[i * 16 + j]: a contiguous 16 x 16 block transposed.
+TF_AVX512_INLINE void transpose16x16_f64(const double* src, double* dst) {
+  for (int bi = 0; bi < 2; ++bi)
+    for (int bj = 0; bj < 2; ++bj) transpose8x8_f64(src + 128 * bi + 8 * bj, 16, dst + 128 * bj + 8 * bi, 16);
+}
+
+constexpr int64_t kNtSlabMaxNF64 = 256;  // one W^T panel of n x 16 doubles: 32 KB, in L1
+
+// C (m x k) = G (m x n) W^T (times D, or added to C), W (k x n) given as its
+// forward panels: each slab of 16 rows of W is transposed into one W^T panel
+// (n, 16) in an L1 buffer, which panel_gemm_f64_avx512 multiplies as it does
+// the stored W^T panels: the same operations in the same order, so the same
+// bits, reading W (which the forward pass has just brought into L2) instead of
+// as many bytes of W^T from L3 or memory. A slab no row of c_chunks wants is
+// skipped (0, or C kept). k % 16 == 0, n % 16 == 0, n <= kNtSlabMaxNF64.
+TF_AVX512 inline void panel_nt_f64_avx512(int64_t m, int64_t k, int64_t n, const double* g,
+                                          int64_t ldg, const double* w, bool accumulate,
+                                          const double* d, int64_t ldd, double* c, int64_t ldc,
+                                          const uint64_t* c_chunks) {
+  alignas(64) double slab[kNtSlabMaxNF64 * 16];
+  constexpr int64_t kRowsAtOnce = 96;  // rows per panel_gemm call (their shifted chunks below)
+  uint64_t shifted[kRowsAtOnce];
+  const uint64_t wanted_by_any = c_chunks != nullptr ? chunks_of(c_chunks, m) : kAllChunks;
+  for (int64_t i0 = 0; i0 < k; i0 += 16) {
+    if (((wanted_by_any >> (i0 / 16)) & 1) == 0) {
+      if (!accumulate)
+        for (int64_t r = 0; r < m; ++r) std::memset(c + r * ldc + i0, 0, 16 * sizeof(double));
+      continue;
+    }
+    for (int64_t p = 0; p < n / 16; ++p) transpose16x16_f64(w + p * 16 * k + 16 * i0, slab + 256 * p);
+    for (int64_t r0 = 0; r0 < m; r0 += kRowsAtOnce) {
+      const int64_t rows = std::min<int64_t>(kRowsAtOnce, m - r0);
+      if (c_chunks != nullptr)
+        for (int64_t r = 0; r < rows; ++r) shifted[r] = c_chunks[r0 + r] >> (i0 / 16);
+      panel_gemm_f64_avx512(rows, 16, n, g + r0 * ldg, ldg, slab, nullptr, accumulate,
+                            d != nullptr ? d + r0 * ldd + i0 : nullptr, ldd, c + r0 * ldc + i0, ldc,
+                            nullptr, c_chunks != nullptr ? shifted : nullptr, nullptr, kCelu01);
+    }
+  }
+}
+
 // CELU(0.1) of count values in place, derivative into d; the tail scalar.
 TF_AVX2 inline int64_t celu_f64_avx2(double* z, double* d, int64_t count) {
   int64_t i = 0;
@@ -281,6 +343,29 @@ inline void panel_gemm_f64(int64_t m, int64_t n, int64_t k, const double* a, int
                       act_d, act);
 #else
   TORCH_CHECK(false, "panel_gemm_f64 needs an x86-64 CPU with AVX2");
+#endif
+}
+
+// Whether panel_nt_f64 runs here: AVX-512, k % 16 == 0, n % 16 == 0, n <= 256.
+inline bool panel_nt_f64_supported(int64_t k, int64_t n) {
+#ifdef TF_SIMD_AVX2
+  return simd::have_avx512() && k % 16 == 0 && n % 16 == 0 && n > 0 && n <= kNtSlabMaxNF64;
+#else
+  (void)k, (void)n;
+  return false;
+#endif
+}
+
+// C (m x k) = G (m x n) W^T (times D, or added to C) from W's forward panels,
+// the same bits as panel_gemm_f64 on the stored W^T panels; needs
+// panel_nt_f64_supported(k, n). c_chunks: C's chunks wanted (per row, or nullptr).
+inline void panel_nt_f64(int64_t m, int64_t k, int64_t n, const double* g, int64_t ldg,
+                         const double* w, bool accumulate, const double* d, int64_t ldd, double* c,
+                         int64_t ldc, const uint64_t* c_chunks = nullptr) {
+  TORCH_CHECK(panel_nt_f64_supported(k, n), "panel_nt_f64: needs AVX-512, k and n multiples of 16, n <= ",
+              kNtSlabMaxNF64, "; got k = ", k, ", n = ", n);
+#ifdef TF_SIMD_AVX2
+  panel_nt_f64_avx512(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc, c_chunks);
 #endif
 }
 

@@ -190,3 +190,11 @@ def test_bad_arguments_are_named():
         call(aev, atoms, sizes, columns, first, packs, layers, 2, 0, 3)
     with pytest.raises(RuntimeError, match=r"first\[1\] must be \(3, members"):
         call(aev, atoms, sizes, columns, [first[0], first[0]], packs, layers, 2)
+    # An atom in two groups: its AEV gradient row is one group's columns or the
+    # other's, never both (the CPU backward writes each group's rows whole).
+    twice = atoms.clone()
+    twice[-1] = twice[0]
+    x = aev.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match=rf"atoms must be distinct rows of the AEV \(in \[0, {aev.shape[0]}\)\); "
+                                           rf"atom {int(twice[0])} is repeated"):
+        torch.autograd.grad(call(x, twice, sizes, columns, first, packs, layers, 2).sum(), x)

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <type_traits>
+#include <algorithm>
 #include <vector>
 
 #include "aev/half_edges.h"
@@ -62,7 +63,9 @@ at::Tensor aev_jvp_cpu(const at::Tensor& tangent, const at::Tensor& species,
   const int64_t N = in.N, P = in.P;
   const at::Tensor& sp = in.species;
   const at::Tensor& diff = in.diff;
-  auto out = at::zeros(aev_shape(species, p), diff.options());
+  // Each row is zeroed by the thread that fills it, just before (jvp_center
+  // adds to it): no separate pass over the whole (N, F) output first.
+  auto out = at::empty(aev_shape(species, p), diff.options());
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_jvp_cpu", [&] {
     Consts<scalar_t> k(p);
     auto h = in.half_edges<scalar_t>(p);
@@ -77,10 +80,12 @@ at::Tensor aev_jvp_cpu(const at::Tensor& tangent, const at::Tensor& species,
     torchani_fast::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
       const simd::FlushDenormals flush(std::is_same_v<scalar_t, float>);
       std::vector<scalar_t> w(aev_math::angular_scratch_len(kv));
-      for (int64_t i = begin; i < end; ++i)
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* row = o + i * kv.F;
+        std::fill(row, row + kv.F, scalar_t(0));
         if (spp[i] >= 0)
-          aev_math::jvp_center(kv, hv, i, u.data(), moving.data(), w.data(), fcw.data(),
-                               o + i * kv.F);
+          aev_math::jvp_center(kv, hv, i, u.data(), moving.data(), w.data(), fcw.data(), row);
+      }
     });
   });
   return out;

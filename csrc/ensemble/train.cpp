@@ -20,6 +20,8 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "common/parallel.h"
@@ -46,8 +48,9 @@ struct Group {
     const at::Tensor rows = t.index_select(0, atoms);
     return all_columns ? rows : rows.index_select(1, cols);
   }
-  // Set this group's rows and columns of `into` (atoms, features, zero there)
-  // to `val`: on the CPU one pass, elsewhere through a zeroed (n, features) copy.
+  // Set this group's rows and columns of `into` (atoms, features; from
+  // scatter_target) to `val`, and the rest of its rows to 0: on the CPU one
+  // pass over each row, elsewhere through a zeroed (n, features) copy.
   void scatter_into(at::Tensor& into, const at::Tensor& val) const {
     if (all_columns) {
       into.index_copy_(0, atoms, val);
@@ -68,6 +71,7 @@ struct Group {
         for (int64_t r = begin; r < end; ++r) {
           scalar_t* dst = out + rows[r] * features;
           const scalar_t* row = src + r * used;
+          std::fill(dst, dst + features, scalar_t(0));
           for (int64_t j = 0; j < used; ++j) dst[columns[j]] = row[j];
         }
       });
@@ -75,6 +79,35 @@ struct Group {
   }
   const at::Tensor& weight(int64_t t) const { return packs[2 * t - 1]; }  // W_{t+1}, (k, d_t, d_{t+1})
 };
+
+// The (rows, features) AEV gradient that the groups' scatter_into fill. On the
+// CPU it is not zeroed first: scatter_into writes its groups' rows whole and
+// the rows no group has are zeroed here (2iuz x 32, one member, force loss:
+// two passes of ~1 ms per step less); the atoms must then be distinct rows
+// (a row written twice would keep only the last group's columns). Elsewhere zeros.
+template <typename GroupList>
+at::Tensor scatter_target(const at::TensorOptions& options, int64_t rows, int64_t features,
+                          const GroupList& groups) {
+  if (!options.device().is_cpu()) return at::zeros({rows, features}, options);
+  at::Tensor out = at::empty({rows, features}, options);
+  std::vector<uint8_t> covered(static_cast<size_t>(rows), 0);
+  for (const auto& g : groups) {
+    const at::Tensor a = g.atoms.contiguous();
+    const int64_t* ap = a.data_ptr<int64_t>();
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      TORCH_CHECK(ap[i] >= 0 && ap[i] < rows && !covered[ap[i]],
+                  "ensemble_train: atoms must be distinct rows of the AEV (in [0, ", rows,
+                  ")); atom ", ap[i], " is ", ap[i] < 0 || ap[i] >= rows ? "out of range" : "repeated");
+      covered[ap[i]] = 1;
+    }
+  }
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "ensemble_train_zero_rows", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      if (!covered[r]) std::fill(o + r * features, o + (r + 1) * features, scalar_t(0));
+  });
+  return out;
+}
 
 std::vector<Group> make_groups(const at::Tensor& atoms, at::IntArrayRef sizes,
                                at::TensorList columns, at::TensorList first, at::TensorList packs,
@@ -218,7 +251,7 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
                             int64_t features) {
     ctx->set_materialize_grads(false);
     const auto groups = make_groups(atoms, sizes, columns, first, packs, layers, features);
-    at::Tensor result = grad.new_zeros({grad.size(1), features});
+    at::Tensor result = scatter_target(grad.options(), grad.size(1), features, groups);
     std::vector<at::Tensor> above, deltas;  // per transition t: delta_{t+1} W^T, delta_t
     int64_t at_t = 0;
     for (const Group& g : groups) {
@@ -405,7 +438,7 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
           if (rest[i]) result[i] = w[i];
       }
     } else {
-      if (needed[0]) result[0] = at::zeros_like(aev);
+      if (needed[0]) result[0] = scatter_target(aev.options(), aev.size(0), aev.size(1), groups);
       int64_t at_t = 0, at_p = 1 + nf;
       for (size_t gi = 0; gi < groups.size(); ++gi) {
         const Group& g = groups[gi];

@@ -36,6 +36,9 @@ inline double gelu_f64(double x, double& deriv) {
   return x * cdf;  // = x * 0.5 * (1 + erf): the halving is exact
 }
 
+// panel_nt_f64's widest n: one W^T panel of n x 16 doubles, 32 KB, in L1.
+constexpr int64_t kNtSlabMaxNF64 = 256;
+
 #ifdef TF_SIMD_AVX2
 // GCC 12 warns that its own AVX-512 headers read an uninitialised value (GCC
 // bug 105593, as in gemm.h).
@@ -275,8 +278,6 @@ TF_AVX512_INLINE void transpose16x16_f64(const double* src, double* dst) {
   for (int bi = 0; bi < 2; ++bi)
     for (int bj = 0; bj < 2; ++bj) transpose8x8_f64(src + 128 * bi + 8 * bj, 16, dst + 128 * bj + 8 * bi, 16);
 }
-
-constexpr int64_t kNtSlabMaxNF64 = 256;  // one W^T panel of n x 16 doubles: 32 KB, in L1
 
 // C (m x k) = G (m x n) W^T (times D, or added to C), W (k x n) given as its
 // forward panels: each slab of 16 rows of W is transposed into one W^T panel

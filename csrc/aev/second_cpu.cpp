@@ -14,9 +14,9 @@
 // moved) then costs the neighbourhood of that atom, not the whole system.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
-#include <algorithm>
 #include <vector>
 
 #include "aev/half_edges.h"

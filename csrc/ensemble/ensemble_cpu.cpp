@@ -407,8 +407,8 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
     int64_t bytes = 0;
     for (const auto& net : nets) bytes += panel_bytes(net);
     for (auto& net : nets) {
-      // (float64 keeps the stored W^T for every group of many blocks: the
-      // per-block transposes of double panels cost more than reading them.)
+      // (float64: every group of many blocks, whatever the bytes, as before
+      // panel_nt_f64 existed; see layer_backward.)
       const bool fits = sizeof(T) == sizeof(double) || bytes + panel_bytes(net) <= kStoredMaxBytes;
       if (net.blocks >= kStoredMinBlocks && fits) {
         net.stored_wt = true;

@@ -363,8 +363,7 @@ inline bool panel_nt_f64_supported(int64_t k, int64_t n) {
 inline void panel_nt_f64(int64_t m, int64_t k, int64_t n, const double* g, int64_t ldg,
                          const double* w, bool accumulate, const double* d, int64_t ldd, double* c,
                          int64_t ldc, const uint64_t* c_chunks = nullptr) {
-  TORCH_CHECK(panel_nt_f64_supported(k, n), "panel_nt_f64: needs AVX-512, k and n multiples of 16, n <= ",
-              kNtSlabMaxNF64, "; got k = ", k, ", n = ", n);
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(panel_nt_f64_supported(k, n));  // the caller's check
 #ifdef TF_SIMD_AVX2
   panel_nt_f64_avx512(m, k, n, g, ldg, w, accumulate, d, ldd, c, ldc, c_chunks);
 #endif

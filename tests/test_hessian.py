@@ -109,6 +109,54 @@ def test_float32_second_derivatives_close_to_float64():
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("like,cutoff", [("like_1x", 0), ("like_2x", 0), ("like_2x", 1)],
+                         ids=["1x", "2x", "2x-smooth"])
+def test_float32_second_derivatives_on_every_isa_level(like, cutoff, levels):
+    """With AVX2 the float32 aev_jvp and aev_double_backward take their exps and
+    logs 8 at a time (csrc/aev/second_cpu.cpp: every radial shift of a
+    neighbour, the angular terms of 8 triples), without AVX2 one at a time
+    (libm). Both stay as close to float64 as float32 allows, on a padded batch
+    of 2iuz (46 atoms, every radial and angular term of ANI-1x and ANI-2x in
+    use, the cosine and the smooth cutoff) and with a zeta below 2 (the other
+    branch of the second derivative). (Clamped triples, computed by the scalar
+    functions on every level: test_coincident_atoms_give_no_nan.)"""
+    aevc = getattr(torchani.aev.AEVComputer, like)()
+    atoms = read_molecule("2iuz_ligand.xyz")
+    z = torch.tensor(atoms.numbers)
+    elem = torch.full((2, len(z) + 1), -1)
+    elem[:, :-1] = (z == 6) * 1 + (z == 7) * 2 + (z == 8) * 3  # H 0, C 1, N 2, O 3
+    xyz = torch.zeros(2, len(z) + 1, 3, dtype=F64)
+    xyz[0, :-1] = torch.tensor(atoms.positions)
+    xyz[1, :-1] = xyz[0, :-1] + 0.05 * torch.sin(7 * xyz[0, :-1])
+    pairs, _ = ops.neighbor_pairs(elem, xyz, None, None, float(aevc.radial.cutoff), False)
+    flat = xyz.view(-1, 3)
+    diff = flat[pairs[0]] - flat[pairs[1]]
+    r, a = aevc.radial, aevc.angular
+    zeta = a.zeta.double().expand(len(a.sections)).clone()
+    zeta[0] = 1.5
+    consts = [r.eta.double(), r.shifts.double(), a.eta.double(), zeta, a.shifts.double(),
+              a.sections.double(), float(r.cutoff), float(a.cutoff), aevc.num_species, cutoff]
+    features = len(r.shifts) * aevc.num_species + len(a.shifts) * len(a.sections) * (
+        aevc.num_species * (aevc.num_species + 1) // 2)
+    tangent = torch.cos(torch.arange(diff.numel(), dtype=F64)).view_as(diff)
+    grad_aev = torch.sin(torch.arange(elem.numel() * features, dtype=F64)).view(1, -1, features)
+
+    def run(dt):
+        c = [x.to(dt) if torch.is_tensor(x) else x for x in consts]
+        return (ops.aev_jvp(tangent.to(dt), elem, pairs, diff.to(dt), *c),
+                ops.aev_double_backward(grad_aev.to(dt), tangent.to(dt), elem, pairs, diff.to(dt),
+                                        *c))
+
+    ref = run(F64)
+    assert all(torch.isfinite(x).all() and x.abs().max() > 0 for x in ref)
+    for level in levels:
+        torchani_fast.cpu_isa(level)
+        for got, want in zip(run(torch.float32), ref):
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=3e-6 * scale,
+                                       msg=lambda m: f"{level}: {m}")
+
+
 def test_opcheck_second_derivative_ops():
     consts64 = tiny_consts()
     for dt in (torch.float32, F64):
@@ -128,20 +176,23 @@ def test_opcheck_second_derivative_ops():
                                   (grad_aev, species, pairs, diff, *consts))
 
 
-def test_coincident_atoms_give_no_nan():
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+def test_coincident_atoms_give_no_nan(dtype, levels):
     # Atoms 0 and 1 coincide (r = 0, and r1 r2 < 1e-10 in every triple with that pair).
     species = torch.tensor([[0, 1, 0, 1]])
     x = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.1, 0.2, 0.0], [0.1, 1.3, 0.4]],
-                     dtype=F64)
+                     dtype=dtype)
     i, j = torch.triu_indices(4, 4, 1)
     diff = x[i] - x[j]
-    consts = tiny_consts()
+    consts = [c.to(dtype) if torch.is_tensor(c) else c for c in tiny_consts()]
     tangent = torch.ones_like(diff)
-    grad_aev = torch.ones(1, 4, TINY_LEN, dtype=F64)
-    for out in (ops.aev_jvp(tangent, species, torch.stack([i, j]), diff, *consts),
-                ops.aev_double_backward(grad_aev, tangent, species, torch.stack([i, j]), diff,
-                                        *consts)):
-        assert torch.isfinite(out).all()
+    grad_aev = torch.ones(1, 4, TINY_LEN, dtype=dtype)
+    for level in levels:  # float32: the clamped triples among vectorised ones (AVX2 and up)
+        torchani_fast.cpu_isa(level)
+        for out in (ops.aev_jvp(tangent, species, torch.stack([i, j]), diff, *consts),
+                    ops.aev_double_backward(grad_aev, tangent, species, torch.stack([i, j]),
+                                            diff, *consts)):
+            assert torch.isfinite(out).all(), level
 
 
 def test_third_derivative_is_refused_with_a_clear_message():

@@ -327,18 +327,25 @@ TF_HOST_DEVICE inline int64_t angular_scratch_len(const ConstView<scalar_t>& k) 
   return 3 * k.Z + 3 * k.A;
 }
 
-// fc*, dfc*, d2fc*: the angular cutoff and its derivatives at r1 and r2. Leaves
-// f1, df1, d2f1, f2, df2, d2f2 of this triple in w.
+// The angular terms of one triple into w (angular_scratch_len scalars):
+// f1, df1 (and with `second` d2f1), then f2, df2 (d2f2) at their offsets.
 template <typename scalar_t>
-TF_HOST_DEVICE PsiDerivs<scalar_t> psi_derivs(const ConstView<scalar_t>& k,
-                                              const Triple<scalar_t>& t, const scalar_t* g,
-                                              scalar_t fc1, scalar_t fc2, scalar_t dfc1,
-                                              scalar_t dfc2, scalar_t d2fc1, scalar_t d2fc2,
-                                              scalar_t* w) {
-  scalar_t *f1 = w, *df1 = w + k.Z, *d2f1 = w + 2 * k.Z;
-  scalar_t *f2 = w + 3 * k.Z, *df2 = f2 + k.A, *d2f2 = f2 + 2 * k.A;
-  angle_terms<scalar_t>(k, t, f1, df1, d2f1);
-  distance_terms<scalar_t>(k, t.mean_r, f2, df2, d2f2);
+TF_HOST_DEVICE inline void angular_terms(const ConstView<scalar_t>& k, const Triple<scalar_t>& t,
+                                         bool second, scalar_t* w) {
+  scalar_t* f2 = w + 3 * k.Z;
+  angle_terms<scalar_t>(k, t, w, w + k.Z, second ? w + 2 * k.Z : nullptr);
+  distance_terms<scalar_t>(k, t.mean_r, f2, f2 + k.A, second ? f2 + 2 * k.A : nullptr);
+}
+
+// fc*, dfc*, d2fc*: the angular cutoff and its derivatives at r1 and r2; w:
+// the triple's angular terms with second derivatives (angular_terms).
+template <typename scalar_t>
+TF_HOST_DEVICE PsiDerivs<scalar_t> psi_contract(const ConstView<scalar_t>& k, const scalar_t* g,
+                                                scalar_t fc1, scalar_t fc2, scalar_t dfc1,
+                                                scalar_t dfc2, scalar_t d2fc1, scalar_t d2fc2,
+                                                const scalar_t* w) {
+  const scalar_t *f1 = w, *df1 = w + k.Z, *d2f1 = w + 2 * k.Z;
+  const scalar_t *f2 = w + 3 * k.Z, *df2 = f2 + k.A, *d2f2 = f2 + 2 * k.A;
   // S_mn = sum_az g_az f1^(m)_z f2^(n)_a: derivatives of the contracted block
   // with respect to c (m times) and to the mean distance (n times).
   scalar_t s00 = 0, s01 = 0, s02 = 0, s10 = 0, s11 = 0, s20 = 0;
@@ -372,6 +379,17 @@ TF_HOST_DEVICE PsiDerivs<scalar_t> psi_derivs(const ConstView<scalar_t>& k,
   p.r12 = scalar_t(0.25) * C * s02 + scalar_t(0.5) * (dfc1 * fc2 + fc1 * dfc2) * s01 +
           dfc1 * dfc2 * s00;
   return p;
+}
+
+// psi_contract of the triple t, whose angular terms it leaves in w.
+template <typename scalar_t>
+TF_HOST_DEVICE PsiDerivs<scalar_t> psi_derivs(const ConstView<scalar_t>& k,
+                                              const Triple<scalar_t>& t, const scalar_t* g,
+                                              scalar_t fc1, scalar_t fc2, scalar_t dfc1,
+                                              scalar_t dfc2, scalar_t d2fc1, scalar_t d2fc2,
+                                              scalar_t* w) {
+  angular_terms(k, t, /*second=*/true, w);
+  return psi_contract(k, g, fc1, fc2, dfc1, dfc2, d2fc1, d2fc2, w);
 }
 
 // (o1, o2) += Hess_{v1,v2}(Psi) (u1, u2): the chain rule through q, r1, r2.
@@ -465,13 +483,61 @@ TF_HOST_DEVICE bool any_moving(const Edges& h, int64_t i, const uint8_t* moving)
   return false;
 }
 
+// o[s] += dr d rad_s / dr for each radial shift s (rad_s = 0.25 exp(-eta_s
+// (r - Rs_s)^2) fc(r), fc and dfc its cutoff and the cutoff's derivative at r).
+template <typename scalar_t>
+TF_HOST_DEVICE void radial_jvp(const ConstView<scalar_t>& k, scalar_t r, scalar_t fc, scalar_t dfc,
+                               scalar_t dr, scalar_t* o) {
+  for (int64_t s = 0; s < k.R; ++s) {
+    const scalar_t x = r - k.shf_r[s];
+    const scalar_t ex = scalar_t(0.25) * m_exp(-k.eta_r[s] * x * x);
+    o[s] += dr * ex * (dfc - scalar_t(2) * k.eta_r[s] * x * fc);
+  }
+}
+
+// Whether jvp_center and hvp_center visit the triple of the half edges e1 <
+// e2 (distances r1, r2): both within the angular cutoff and one of them moving.
+template <typename scalar_t>
+TF_HOST_DEVICE inline bool visits_triple(const ConstView<scalar_t>& k, scalar_t r1, scalar_t r2,
+                                         const uint8_t* moving, int64_t e1, int64_t e2) {
+  return r1 <= k.rc_a && r2 <= k.rc_a && (moving[e1] || moving[e2]);
+}
+
+// Where jvp_center and hvp_center get the terms whose transcendentals cost
+// most: one value at a time, here (CUDA, float64, CPUs without AVX2). The
+// float32 CPU path passes its own (aev/second_cpu.cpp), with the same
+// functions computed 8 values at a time; its angular terms are computed for
+// all triples of the centre in prepare(), then read by index.
+template <typename scalar_t>
+struct ScalarTerms {
+  // Before centre i's triples (second: hvp_center, which needs d2f1, d2f2).
+  template <typename Edges>
+  TF_HOST_DEVICE void prepare(const ConstView<scalar_t>&, const Edges&, int64_t, const uint8_t*,
+                              bool) {}
+  TF_HOST_DEVICE void radial_jvp(const ConstView<scalar_t>& k, scalar_t r, scalar_t fc,
+                                 scalar_t dfc, scalar_t dr, scalar_t* o) const {
+    aev_math::radial_jvp(k, r, fc, dfc, dr, o);
+  }
+  TF_HOST_DEVICE void radial_phi(const ConstView<scalar_t>& k, scalar_t r, const scalar_t* g,
+                                 scalar_t& phi1, scalar_t& phi2) const {
+    aev_math::radial_phi(k, r, g, phi1, phi2);
+  }
+  // The angular terms (angular_terms) of triple t, the index-th that the
+  // centre visits: in w, or where the policy keeps them.
+  TF_HOST_DEVICE const scalar_t* angular(const ConstView<scalar_t>& k, const Triple<scalar_t>& t,
+                                         int64_t /*index*/, bool second, scalar_t* w) const {
+    angular_terms(k, t, second, w);
+    return w;
+  }
+};
+
 // row += J_i u: the directional derivative of centre i's AEV row along the
 // half-edge directions u_edge (3 per half edge). w: angular_scratch_len
 // scalars, fcw: 3 per half edge (this centre's entries are overwritten).
-template <typename scalar_t, typename Edges>
+template <typename scalar_t, typename Edges, typename Terms = ScalarTerms<scalar_t>>
 TF_HOST_DEVICE void jvp_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
                                const scalar_t* u_edge, const uint8_t* moving, scalar_t* w,
-                               scalar_t* fcw, scalar_t* row) {
+                               scalar_t* fcw, scalar_t* row, Terms terms = Terms()) {
   if (!any_moving(h, i, moving)) return;
   const int64_t begin = h.begin(i), end = h.end(i);
   for (int64_t e = begin; e < end; ++e) {
@@ -479,32 +545,26 @@ TF_HOST_DEVICE void jvp_center(const ConstView<scalar_t>& k, const Edges& h, int
     const Neighbor<scalar_t> n = h.neighbor(e);
     if (!(n.r > 0)) continue;
     const scalar_t dr = dot3(n.v, u_edge + 3 * e) / n.r;
-    const scalar_t fc = cutoff_value(k.cut, n.r, k.rc_r);
-    const scalar_t dfc = cutoff_deriv(k.cut, n.r, k.rc_r);
-    scalar_t* o = row + n.species * k.R;
-    for (int64_t s = 0; s < k.R; ++s) {
-      const scalar_t x = n.r - k.shf_r[s];
-      const scalar_t ex = scalar_t(0.25) * m_exp(-k.eta_r[s] * x * x);
-      o[s] += dr * ex * (dfc - scalar_t(2) * k.eta_r[s] * x * fc);
-    }
+    terms.radial_jvp(k, n.r, cutoff_value(k.cut, n.r, k.rc_r), cutoff_deriv(k.cut, n.r, k.rc_r),
+                     dr, row + n.species * k.R);
   }
   angular_cutoffs(k, h, i, /*second=*/false, fcw);
-  scalar_t *f1 = w, *df1 = w + k.Z, *f2 = w + 3 * k.Z, *df2 = f2 + k.A;
+  terms.prepare(k, h, i, moving, /*second=*/false);
+  int64_t index = 0;
   for (int64_t e1 = begin; e1 < end; ++e1) {
     const Neighbor<scalar_t> n1 = h.neighbor(e1);
     if (!(n1.r <= k.rc_a)) continue;
     for (int64_t e2 = e1 + 1; e2 < end; ++e2) {
-      if (!moving[e1] && !moving[e2]) continue;
       const Neighbor<scalar_t> n2 = h.neighbor(e2);
-      if (!(n2.r <= k.rc_a)) continue;
+      if (!visits_triple(k, n1.r, n2.r, moving, e1, e2)) continue;
       const scalar_t* u1 = u_edge + 3 * e1;
       const scalar_t* u2 = u_edge + 3 * e2;
       const Triple<scalar_t> t = make_triple(n1, n2);
       const TripleGrad<scalar_t> d = triple_grad(n1, n2, t);
       const scalar_t dq = dot3(d.gq1, u1) + dot3(d.gq2, u2);
       const scalar_t dr1 = dot3(d.h1, u1), dr2 = dot3(d.h2, u2);
-      angle_terms<scalar_t>(k, t, f1, df1, nullptr);
-      distance_terms<scalar_t>(k, t.mean_r, f2, df2, nullptr);
+      const scalar_t* at = terms.angular(k, t, index++, /*second=*/false, w);
+      const scalar_t *f1 = at, *df1 = at + k.Z, *f2 = at + 3 * k.Z, *df2 = f2 + k.A;
       const scalar_t fc1 = fcw[3 * e1], fc2 = fcw[3 * e2];
       const scalar_t fcc = fc1 * fc2;
       const scalar_t dfcc = fcw[3 * e1 + 1] * fc2 * dr1 + fc1 * fcw[3 * e2 + 1] * dr2;
@@ -522,11 +582,11 @@ TF_HOST_DEVICE void jvp_center(const ConstView<scalar_t>& k, const Edges& h, int
 
 // out_edge += (sum_f g_if Hess(aev_if)) u for the half edges of centre i (the
 // gradient with respect to each half-edge vector). grow: centre i's grad_aev row.
-template <typename scalar_t, typename Edges>
+template <typename scalar_t, typename Edges, typename Terms = ScalarTerms<scalar_t>>
 TF_HOST_DEVICE void hvp_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
                                const scalar_t* grow, const scalar_t* u_edge,
                                const uint8_t* moving, scalar_t* w, scalar_t* fcw,
-                               scalar_t* out_edge) {
+                               scalar_t* out_edge, Terms terms = Terms()) {
   if (!any_moving(h, i, moving)) return;
   const int64_t begin = h.begin(i), end = h.end(i);
   for (int64_t e = begin; e < end; ++e) {
@@ -534,22 +594,24 @@ TF_HOST_DEVICE void hvp_center(const ConstView<scalar_t>& k, const Edges& h, int
     const Neighbor<scalar_t> n = h.neighbor(e);
     if (!(n.r > 0)) continue;
     scalar_t phi1, phi2;
-    radial_phi(k, n.r, grow + n.species * k.R, phi1, phi2);
+    terms.radial_phi(k, n.r, grow + n.species * k.R, phi1, phi2);
     radial_hvp(n, phi1, phi2, u_edge + 3 * e, out_edge + 3 * e);
   }
   angular_cutoffs(k, h, i, /*second=*/true, fcw);
+  terms.prepare(k, h, i, moving, /*second=*/true);
+  int64_t index = 0;
   for (int64_t e1 = begin; e1 < end; ++e1) {
     const Neighbor<scalar_t> n1 = h.neighbor(e1);
     if (!(n1.r <= k.rc_a)) continue;
     for (int64_t e2 = e1 + 1; e2 < end; ++e2) {
-      if (!moving[e1] && !moving[e2]) continue;
       const Neighbor<scalar_t> n2 = h.neighbor(e2);
-      if (!(n2.r <= k.rc_a)) continue;
+      if (!visits_triple(k, n1.r, n2.r, moving, e1, e2)) continue;
       const Triple<scalar_t> t = make_triple(n1, n2);
       const scalar_t* g = grow + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
       const PsiDerivs<scalar_t> p =
-          psi_derivs(k, t, g, fcw[3 * e1], fcw[3 * e2], fcw[3 * e1 + 1], fcw[3 * e2 + 1],
-                     fcw[3 * e1 + 2], fcw[3 * e2 + 2], w);
+          psi_contract(k, g, fcw[3 * e1], fcw[3 * e2], fcw[3 * e1 + 1], fcw[3 * e2 + 1],
+                       fcw[3 * e1 + 2], fcw[3 * e2 + 2],
+                       terms.angular(k, t, index++, /*second=*/true, w));
       const TripleGrad<scalar_t> d = triple_grad(n1, n2, t);
       triple_hvp(n1, n2, t, d, p, u_edge + 3 * e1, u_edge + 3 * e2, out_edge + 3 * e1,
                  out_edge + 3 * e2);

@@ -44,24 +44,24 @@ void edge_directions(const HalfEdges& h, const scalar_t* t, int64_t num_pairs,
 }
 
 #ifdef TF_SIMD_AVX2
-// The float32 terms of jvp_center and hvp_center (aev_math::ScalarTerms) with
-// their exps and logs 8 at a time (simd::exp, log: within 2 ulp, as the
-// vectorised AEV's; the scalar path calls libm): the radial terms of one
-// neighbour 8 shifts at a time, the angular terms of a centre's triples 8
-// triples at a time, in prepare(), before the centre's loop over its triples
-// reads them back by index. Only the transcendentals and the terms they feed
-// move here; the geometry and the sums stay in aev_math, so both paths share
-// them. The per-centre work does not depend on the thread, so the results are
-// the same for any thread count.
+// float32 on AVX2: jvp_center and hvp_center 8 at a time, with the exps and
+// logs of simd:: (within 2 ulp, as the vectorised AEV's; the scalar path calls
+// libm). The radial terms of one neighbour 8 shifts at a time (a Terms policy
+// of aev_math::jvp_radial_center / hvp_radial_center); the angular terms 8
+// triples at a time, their inputs packed lane by lane (TripleLanes), their
+// results added to the centre's row or half edges triple by triple in the
+// scalar code's order. The formulas are aev_math's (angle_terms,
+// distance_terms, psi_contract, triple_grad, triple_hvp, jvp_triple), the
+// divisions by r as products with 1 / r; a clamped triple (r1 r2 < 1e-10)
+// takes the scalar functions. The per-centre work does not depend on the
+// thread, so the results are the same for any thread count.
 using aev_math::ConstView;
 using aev_math::Triple;
 
 // float32 scratch of one thread's centres.
 struct TermScratch {
   std::vector<Neighbor<float>> neighbors;
-  std::vector<Triple<float>> triples;
-  std::vector<float> terms;  // angular_scratch_len per triple
-  std::vector<float> lanes;  // angular_scratch_len vectors of 8 lanes
+  std::vector<float> block;  // jvp_lanes8's A Z rows of 8 lanes
 };
 
 // o[s] += dr d rad_s / dr (aev_math::radial_jvp).
@@ -128,94 +128,329 @@ TF_AVX2 void radial_phi8(const ConstView<float>& k, float r, const float* g, flo
   }
 }
 
-// aev_math::angular_terms of every triple in w.triples into w.terms, 8
-// triples per vector (the last vector's extra lanes are computed from benign
-// values and dropped). A clamped triple (r1 r2 < 1e-10, where sin_c is 0)
-// takes the scalar function, as everywhere else.
-TF_AVX2 void angular_terms8(const ConstView<float>& k, bool second, TermScratch& w) {
-  const int64_t T = static_cast<int64_t>(w.triples.size()), L = aev_math::angular_scratch_len(k);
-  const int64_t Z = k.Z, A = k.A;
-  w.terms.resize(T * L);
-  w.lanes.resize(8 * L);
-  float* lanes = w.lanes.data();
-  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), two = _mm256_set1_ps(2.0f);
-  for (int64_t t0 = 0; t0 < T; t0 += 8) {
-    const int64_t n = std::min<int64_t>(8, T - t0);
-    alignas(32) float cv[8], sv[8], mv[8];
-    for (int64_t j = 0; j < 8; ++j) {
-      const bool in = j < n;
-      cv[j] = in ? w.triples[t0 + j].c : 0.0f;
-      sv[j] = in ? w.triples[t0 + j].sin_c : 1.0f;
-      mv[j] = in ? w.triples[t0 + j].mean_r : 0.0f;
-    }
-    const __m256 c = _mm256_load_ps(cv), s = _mm256_load_ps(sv), m = _mm256_load_ps(mv);
-    const __m256 c_over_s = _mm256_div_ps(c, s);
-    const __m256 inv_s3 = _mm256_div_ps(one, _mm256_mul_ps(_mm256_mul_ps(s, s), s));
-    for (int64_t z = 0; z < Z; ++z) {
-      const float zeta = k.zeta[z];
-      const __m256 cos_z = _mm256_set1_ps(k.cos_z[z]), sin_z = _mm256_set1_ps(k.sin_z[z]);
-      const __m256 cdev = _mm256_fmadd_ps(c, cos_z, _mm256_mul_ps(s, sin_z));
-      const __m256 base = _mm256_mul_ps(_mm256_add_ps(one, cdev), half);
-      const __m256 ln = simd::log(base);
-      const __m256 d1 = _mm256_fnmadd_ps(c_over_s, sin_z, cos_z);
-      const bool from_pw2 = second && zeta >= 2.0f;
-      const __m256 pw2 = second ? simd::exp(_mm256_mul_ps(_mm256_set1_ps(zeta - 2.0f), ln))
-                                : _mm256_setzero_ps();
-      const __m256 pw1 = from_pw2 ? _mm256_mul_ps(pw2, base)
-                                  : simd::exp(_mm256_mul_ps(_mm256_set1_ps(zeta - 1.0f), ln));
-      const __m256 vzeta = _mm256_set1_ps(zeta);
-      _mm256_storeu_ps(lanes + 8 * z, _mm256_mul_ps(_mm256_mul_ps(two, pw1), base));
-      _mm256_storeu_ps(lanes + 8 * (Z + z), _mm256_mul_ps(_mm256_mul_ps(vzeta, pw1), d1));
-      if (second) {
-        const __m256 d2 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(sin_z, inv_s3));
-        const __m256 curv = _mm256_mul_ps(_mm256_set1_ps(zeta * (zeta - 1.0f) / 2.0f),
-                                          _mm256_mul_ps(_mm256_mul_ps(pw2, d1), d1));
-        _mm256_storeu_ps(lanes + 8 * (2 * Z + z),
-                        _mm256_fmadd_ps(_mm256_mul_ps(vzeta, pw1), d2, curv));
-      }
-    }
-    float* f2 = lanes + 8 * 3 * Z;
-    for (int64_t a = 0; a < A; ++a) {
-      const __m256 eta = _mm256_set1_ps(k.eta_a[a]);
-      const __m256 x = _mm256_sub_ps(m, _mm256_set1_ps(k.shf_a[a]));
-      const __m256 e = simd::exp(_mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), eta), x), x));
-      const __m256 two_eta_x = _mm256_mul_ps(_mm256_add_ps(eta, eta), x);
-      _mm256_storeu_ps(f2 + 8 * a, e);
-      _mm256_storeu_ps(f2 + 8 * (A + a), _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(two_eta_x, e)));
-      if (second)
-        _mm256_storeu_ps(f2 + 8 * (2 * A + a),
-                        _mm256_mul_ps(_mm256_fmsub_ps(two_eta_x, two_eta_x, _mm256_add_ps(eta, eta)), e));
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      float* o = w.terms.data() + (t0 + j) * L;
-      const Triple<float>& t = w.triples[t0 + j];
-      if (t.clamped) {
-        aev_math::angular_terms(k, t, second, o);
-        continue;
-      }
-      for (int64_t q = 0; q < L; ++q) o[q] = lanes[8 * q + j];
-    }
+// The parts of 8 triples that every section's terms use.
+struct TripleLanes8 {
+  __m256 c, s, c_over_s, inv_s3;
+};
+TF_AVX2_INLINE TripleLanes8 triple_lanes8(__m256 c, __m256 s) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return {c, s, _mm256_div_ps(c, s), _mm256_div_ps(one, _mm256_mul_ps(_mm256_mul_ps(s, s), s))};
+}
+
+// aev_math::angle_terms of section z for 8 triples: f1, df1 and (second) d2f1.
+TF_AVX2_INLINE void section_terms8(const ConstView<float>& k, int64_t z, const TripleLanes8& t,
+                                   bool second, __m256& f1, __m256& df1, __m256& d2f1) {
+  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+  const float zeta = k.zeta[z];
+  const __m256 cos_z = _mm256_set1_ps(k.cos_z[z]), sin_z = _mm256_set1_ps(k.sin_z[z]);
+  const __m256 cdev = _mm256_fmadd_ps(t.c, cos_z, _mm256_mul_ps(t.s, sin_z));
+  const __m256 base = _mm256_mul_ps(_mm256_add_ps(one, cdev), half);
+  const __m256 ln = simd::log(base);
+  const __m256 d1 = _mm256_fnmadd_ps(t.c_over_s, sin_z, cos_z);
+  const bool from_pw2 = second && zeta >= 2.0f;
+  const __m256 pw2 = second ? simd::exp(_mm256_mul_ps(_mm256_set1_ps(zeta - 2.0f), ln))
+                            : _mm256_setzero_ps();
+  const __m256 pw1 = from_pw2 ? _mm256_mul_ps(pw2, base)
+                              : simd::exp(_mm256_mul_ps(_mm256_set1_ps(zeta - 1.0f), ln));
+  const __m256 zeta_pw1 = _mm256_mul_ps(_mm256_set1_ps(zeta), pw1);
+  f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(2.0f), pw1), base);
+  df1 = _mm256_mul_ps(zeta_pw1, d1);
+  if (second) {
+    const __m256 d2 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(sin_z, t.inv_s3));
+    const __m256 curv = _mm256_mul_ps(_mm256_set1_ps(zeta * (zeta - 1.0f) / 2.0f),
+                                      _mm256_mul_ps(_mm256_mul_ps(pw2, d1), d1));
+    d2f1 = _mm256_fmadd_ps(zeta_pw1, d2, curv);
   }
 }
 
-// The aev_math Terms policy of the float32 AVX2 path.
+// aev_math::distance_terms of shift a for 8 mean distances m: f2, df2 and (second) d2f2.
+TF_AVX2_INLINE void shift_terms8(const ConstView<float>& k, int64_t a, __m256 m, bool second,
+                                 __m256& f2, __m256& df2, __m256& d2f2) {
+  const __m256 eta = _mm256_set1_ps(k.eta_a[a]);
+  const __m256 x = _mm256_sub_ps(m, _mm256_set1_ps(k.shf_a[a]));
+  f2 = simd::exp(_mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), eta), x), x));
+  const __m256 two_eta_x = _mm256_mul_ps(_mm256_add_ps(eta, eta), x);
+  df2 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(two_eta_x, f2));
+  if (second) d2f2 = _mm256_mul_ps(_mm256_fmsub_ps(two_eta_x, two_eta_x, _mm256_add_ps(eta, eta)), f2);
+}
+
+// The most angular shifts (A) and sections (Z) of hvp_angular8.
+constexpr int64_t kMaxAngular8 = 16;
+
+// The inputs of 8 triples of hvp_angular8, one row of 8 lanes per field.
+enum HvpField {
+  kX1, kY1, kZ1, kX2, kY2, kZ2, kU1x, kU1y, kU1z, kU2x, kU2y, kU2z,
+  kInv1, kInv2, kFc1, kFc2, kDfc1, kDfc2, kD2fc1, kD2fc2, kC, kS, kM, kQ, kHvpFields
+};
+
+TF_AVX2_INLINE __m256 dot3_8(const __m256 (&x)[3], const __m256 (&y)[3]) {
+  return _mm256_fmadd_ps(x[2], y[2], _mm256_fmadd_ps(x[1], y[1], _mm256_mul_ps(x[0], y[0])));
+}
+
+// The geometry of 8 triples: h = v / r, gq = dq/dv (not clamped), u.
+struct Geometry8 {
+  __m256 h1[3], h2[3], gq1[3], gq2[3], u1[3], u2[3];
+};
+TF_AVX2_INLINE Geometry8 geometry8(const float (&in)[kHvpFields][8]) {
+  Geometry8 g;
+  const __m256 inv1 = _mm256_load_ps(in[kInv1]), inv2 = _mm256_load_ps(in[kInv2]);
+  const __m256 q = _mm256_load_ps(in[kQ]);
+  for (int c = 0; c < 3; ++c) {
+    g.h1[c] = _mm256_mul_ps(_mm256_load_ps(in[kX1 + c]), inv1);
+    g.h2[c] = _mm256_mul_ps(_mm256_load_ps(in[kX2 + c]), inv2);
+    g.u1[c] = _mm256_load_ps(in[kU1x + c]);
+    g.u2[c] = _mm256_load_ps(in[kU2x + c]);
+  }
+  for (int c = 0; c < 3; ++c) {
+    g.gq1[c] = _mm256_mul_ps(_mm256_fnmadd_ps(q, g.h1[c], g.h2[c]), inv1);
+    g.gq2[c] = _mm256_mul_ps(_mm256_fnmadd_ps(q, g.h2[c], g.h1[c]), inv2);
+  }
+  return g;
+}
+
+// aev_math::jvp_triple of 8 triples: out[8 (a Z + z) + lane], the directional
+// derivative of each triple's angular block along its u.
+TF_AVX2 void jvp_lanes8(const ConstView<float>& k, const float (&in)[kHvpFields][8],
+                        float* out) {
+  const int64_t Z = k.Z, A = k.A;
+  const Geometry8 g = geometry8(in);
+  const __m256 dq = _mm256_add_ps(dot3_8(g.gq1, g.u1), dot3_8(g.gq2, g.u2));
+  const __m256 dr1 = dot3_8(g.h1, g.u1), dr2 = dot3_8(g.h2, g.u2);
+  const __m256 fc1 = _mm256_load_ps(in[kFc1]), fc2 = _mm256_load_ps(in[kFc2]);
+  const __m256 fcc = _mm256_mul_ps(fc1, fc2);
+  const __m256 dfcc = _mm256_fmadd_ps(_mm256_mul_ps(fc1, _mm256_load_ps(in[kDfc2])), dr2,
+                                      _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(in[kDfc1]), fc2), dr1));
+  const __m256 cq = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.95f), dq), fcc);
+  const __m256 cm = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_add_ps(dr1, dr2)), fcc);
+  const TripleLanes8 t = triple_lanes8(_mm256_load_ps(in[kC]), _mm256_load_ps(in[kS]));
+  __m256 f1[kMaxAngular8], df1[kMaxAngular8], unused;
+  for (int64_t z = 0; z < Z; ++z) section_terms8(k, z, t, /*second=*/false, f1[z], df1[z], unused);
+  const __m256 m = _mm256_load_ps(in[kM]);
+  for (int64_t a = 0; a < A; ++a) {
+    __m256 f2, df2;
+    shift_terms8(k, a, m, /*second=*/false, f2, df2, unused);
+    const __m256 pa = _mm256_mul_ps(cq, f2);
+    const __m256 qa = _mm256_fmadd_ps(dfcc, f2, _mm256_mul_ps(cm, df2));
+    for (int64_t z = 0; z < Z; ++z)
+      _mm256_storeu_ps(out + 8 * (a * Z + z), _mm256_fmadd_ps(qa, f1[z], _mm256_mul_ps(pa, df1[z])));
+  }
+}
+
+// The angular Hessian-vector product of 8 triples (hvp_angular8's lanes):
+// out[0..3) the gradient of the first half edge of each, out[3..6) the second's.
+TF_AVX2 void hvp_lanes8(const ConstView<float>& k, const float* grow,
+                        const float (&in)[kHvpFields][8], const int32_t (&goff)[8],
+                        float (&out)[6][8]) {
+  const int64_t Z = k.Z, A = k.A;
+  const TripleLanes8 t = triple_lanes8(_mm256_load_ps(in[kC]), _mm256_load_ps(in[kS]));
+  // The distance terms of every shift, then per section its terms and the
+  // contractions over the shifts (t0, t1, t2: with f2, df2, d2f2).
+  __m256 f2[kMaxAngular8], df2[kMaxAngular8], d2f2[kMaxAngular8];
+  const __m256 m = _mm256_load_ps(in[kM]);
+  for (int64_t a = 0; a < A; ++a) shift_terms8(k, a, m, /*second=*/true, f2[a], df2[a], d2f2[a]);
+  const __m256i offsets = _mm256_load_si256(reinterpret_cast<const __m256i*>(goff));
+  __m256 s00 = _mm256_setzero_ps(), s01 = s00, s02 = s00, s10 = s00, s11 = s00, s20 = s00;
+  for (int64_t z = 0; z < Z; ++z) {
+    __m256 f1, df1, d2f1;
+    section_terms8(k, z, t, /*second=*/true, f1, df1, d2f1);
+    __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0;
+    for (int64_t a = 0; a < A; ++a) {
+      const __m256 g = _mm256_i32gather_ps(
+          grow, _mm256_add_epi32(offsets, _mm256_set1_epi32(static_cast<int32_t>(a * Z + z))), 4);
+      t0 = _mm256_fmadd_ps(g, f2[a], t0);
+      t1 = _mm256_fmadd_ps(g, df2[a], t1);
+      t2 = _mm256_fmadd_ps(g, d2f2[a], t2);
+    }
+    s00 = _mm256_fmadd_ps(f1, t0, s00);
+    s01 = _mm256_fmadd_ps(f1, t1, s01);
+    s02 = _mm256_fmadd_ps(f1, t2, s02);
+    s10 = _mm256_fmadd_ps(df1, t0, s10);
+    s11 = _mm256_fmadd_ps(df1, t1, s11);
+    s20 = _mm256_fmadd_ps(d2f1, t0, s20);
+  }
+  // aev_math::psi_contract's chain rule.
+  const __m256 fc1 = _mm256_load_ps(in[kFc1]), fc2 = _mm256_load_ps(in[kFc2]), dfc1 = _mm256_load_ps(in[kDfc1]), dfc2 = _mm256_load_ps(in[kDfc2]);
+  const __m256 C = _mm256_mul_ps(fc1, fc2), k95 = _mm256_set1_ps(0.95f);
+  const __m256 half = _mm256_set1_ps(0.5f), quarter = _mm256_set1_ps(0.25f);
+  const __m256 d1c = _mm256_mul_ps(dfc1, fc2), d2c = _mm256_mul_ps(fc1, dfc2);
+  const __m256 half_C_s01 = _mm256_mul_ps(_mm256_mul_ps(half, C), s01);
+  const __m256 half_C_s11 = _mm256_mul_ps(_mm256_mul_ps(half, C), s11);
+  const __m256 quarter_C_s02 = _mm256_mul_ps(_mm256_mul_ps(quarter, C), s02);
+  const __m256 p_q = _mm256_mul_ps(_mm256_mul_ps(k95, C), s10);
+  const __m256 p_r1 = _mm256_fmadd_ps(d1c, s00, half_C_s01);
+  const __m256 p_r2 = _mm256_fmadd_ps(d2c, s00, half_C_s01);
+  const __m256 p_qq = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(k95, k95), C), s20);
+  const __m256 p_q1 = _mm256_mul_ps(k95, _mm256_fmadd_ps(d1c, s10, half_C_s11));
+  const __m256 p_q2 = _mm256_mul_ps(k95, _mm256_fmadd_ps(d2c, s10, half_C_s11));
+  const __m256 p_r11 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(in[kD2fc1]), fc2), s00,
+                                       _mm256_fmadd_ps(d1c, s01, quarter_C_s02));
+  const __m256 p_r22 = _mm256_fmadd_ps(_mm256_mul_ps(fc1, _mm256_load_ps(in[kD2fc2])), s00,
+                                       _mm256_fmadd_ps(d2c, s01, quarter_C_s02));
+  const __m256 p_r12 = _mm256_fmadd_ps(_mm256_mul_ps(dfc1, dfc2), s00,
+                                       _mm256_fmadd_ps(_mm256_mul_ps(half, _mm256_add_ps(d1c, d2c)),
+                                                       s01, quarter_C_s02));
+  // aev_math::triple_grad and triple_hvp (not clamped).
+  const Geometry8 geo = geometry8(in);
+  const __m256 inv1 = _mm256_load_ps(in[kInv1]), inv2 = _mm256_load_ps(in[kInv2]);
+  const __m256 q = _mm256_load_ps(in[kQ]);
+  const auto &h1 = geo.h1, &h2 = geo.h2, &gq1 = geo.gq1, &gq2 = geo.gq2, &u1 = geo.u1, &u2 = geo.u2;
+  const __m256 dq = _mm256_add_ps(dot3_8(gq1, u1), dot3_8(gq2, u2));
+  const __m256 a1 = dot3_8(h1, u1), b1 = dot3_8(h2, u1), a2 = dot3_8(h1, u2), b2 = dot3_8(h2, u2);
+  const __m256 c_q = _mm256_fmadd_ps(p_q2, b2, _mm256_fmadd_ps(p_q1, a1, _mm256_mul_ps(p_qq, dq)));
+  const __m256 c_1 = _mm256_fmadd_ps(p_r12, b2, _mm256_fmadd_ps(p_r11, a1, _mm256_mul_ps(p_q1, dq)));
+  const __m256 c_2 = _mm256_fmadd_ps(p_r22, b2, _mm256_fmadd_ps(p_r12, a1, _mm256_mul_ps(p_q2, dq)));
+  const __m256 i11 = _mm256_mul_ps(inv1, inv1), i22 = _mm256_mul_ps(inv2, inv2);
+  const __m256 i12 = _mm256_mul_ps(inv1, inv2), three_q = _mm256_mul_ps(_mm256_set1_ps(3.0f), q);
+  for (int c = 0; c < 3; ++c) {
+    const __m256 x1 = h1[c], x2 = h2[c];
+    // hq1 = (-a1 x2 - b1 x1 + 3 q a1 x1 - q u1) i11 + (u2 - b2 x2 - a2 x1 + q b2 x1) i12
+    const __m256 hq1 = _mm256_fmadd_ps(
+        _mm256_fnmadd_ps(q, u1[c], _mm256_fmsub_ps(_mm256_mul_ps(three_q, a1), x1,
+                                                   _mm256_fmadd_ps(a1, x2, _mm256_mul_ps(b1, x1)))),
+        i11,
+        _mm256_mul_ps(_mm256_fmadd_ps(_mm256_mul_ps(q, b2), x1,
+                                      _mm256_sub_ps(u2[c], _mm256_fmadd_ps(b2, x2, _mm256_mul_ps(a2, x1)))),
+                      i12));
+    // hq2 = (u1 - b1 x2 - a1 x1 + q a1 x2) i12 + (-b2 x1 - a2 x2 + 3 q b2 x2 - q u2) i22
+    const __m256 hq2 = _mm256_fmadd_ps(
+        _mm256_fmadd_ps(_mm256_mul_ps(q, a1), x2,
+                        _mm256_sub_ps(u1[c], _mm256_fmadd_ps(b1, x2, _mm256_mul_ps(a1, x1)))),
+        i12,
+        _mm256_mul_ps(_mm256_fnmadd_ps(q, u2[c], _mm256_fmsub_ps(_mm256_mul_ps(three_q, b2), x2,
+                                                                 _mm256_fmadd_ps(b2, x1, _mm256_mul_ps(a2, x2)))),
+                      i22));
+    const __m256 hr1 = _mm256_mul_ps(_mm256_fnmadd_ps(a1, x1, u1[c]), inv1);
+    const __m256 hr2 = _mm256_mul_ps(_mm256_fnmadd_ps(b2, x2, u2[c]), inv2);
+    const __m256 o1 = _mm256_fmadd_ps(p_r1, hr1, _mm256_fmadd_ps(p_q, hq1, _mm256_fmadd_ps(
+                                                         c_1, x1, _mm256_mul_ps(c_q, gq1[c]))));
+    const __m256 o2 = _mm256_fmadd_ps(p_r2, hr2, _mm256_fmadd_ps(p_q, hq2, _mm256_fmadd_ps(
+                                                         c_2, x2, _mm256_mul_ps(c_q, gq2[c]))));
+    _mm256_store_ps(out[c], o1);
+    _mm256_store_ps(out[3 + c], o2);
+  }
+}
+
+// The inputs of up to 8 triples of one centre, one row of 8 lanes per field;
+// n of them used.
+struct TripleLanes {
+  alignas(32) float in[kHvpFields][8];
+  alignas(32) int32_t goff[8];  // the triple's angular block in the AEV row
+  int64_t first[8], second[8];  // its neighbours in TermScratch::neighbors
+  int64_t n = 0;
+
+  // The unused lanes made benign (unit vectors, no cutoff), for run(lanes).
+  void pad() {
+    for (int64_t j = n; j < 8; ++j) {
+      for (int f = 0; f < kHvpFields; ++f) in[f][j] = 0.0f;
+      in[kX1][j] = in[kY2][j] = in[kInv1][j] = in[kInv2][j] = in[kS][j] = 1.0f;
+      goff[j] = goff[0];
+    }
+  }
+};
+
+// For the triples of centre i that jvp_center and hvp_center visit, in their
+// order, 8 at a time: run(lanes) on their packed inputs (with the angular
+// cutoffs in fcw, aev_math::angular_cutoffs). sc.neighbors: the centre's.
+template <typename Run>
+void for_triples8(const ConstView<float>& k, const HalfEdgeView<float>& h, int64_t i,
+                  const float* u_edge, const uint8_t* moving, bool second, float* fcw,
+                  TermScratch& sc, const Run& run) {
+  const int64_t begin = h.begin(i), count = h.end(i) - begin;
+  aev_math::angular_cutoffs(k, h, i, second, fcw);
+  sc.neighbors.resize(count);
+  for (int64_t e = 0; e < count; ++e) sc.neighbors[e] = h.neighbor(begin + e);
+  TripleLanes lanes;
+  for (int64_t j1 = 0; j1 < count; ++j1) {
+    const Neighbor<float>& n1 = sc.neighbors[j1];
+    if (!(n1.r <= k.rc_a)) continue;
+    for (int64_t j2 = j1 + 1; j2 < count; ++j2) {
+      const Neighbor<float>& n2 = sc.neighbors[j2];
+      if (!aev_math::visits_triple(k, n1.r, n2.r, moving, n1.edge, n2.edge)) continue;
+      const Triple<float> t = make_triple(n1, n2);
+      const int64_t e1 = n1.edge, e2 = n2.edge;
+      const float* u1 = u_edge + 3 * e1;
+      const float* u2 = u_edge + 3 * e2;
+      const float vals[kHvpFields] = {
+          n1.v[0], n1.v[1], n1.v[2], n2.v[0], n2.v[1], n2.v[2], u1[0], u1[1], u1[2],
+          u2[0], u2[1], u2[2], n1.r > 0 ? 1.0f / n1.r : 0.0f, n2.r > 0 ? 1.0f / n2.r : 0.0f,
+          fcw[3 * e1], fcw[3 * e2], fcw[3 * e1 + 1], fcw[3 * e2 + 1],
+          second ? fcw[3 * e1 + 2] : 0.0f, second ? fcw[3 * e2 + 2] : 0.0f,
+          t.clamped ? 0.0f : t.c, t.clamped ? 1.0f : t.sin_c, t.mean_r,
+          t.clamped ? 0.0f : t.cos_raw};
+      const int64_t n = lanes.n;
+      for (int f = 0; f < kHvpFields; ++f) lanes.in[f][n] = vals[f];
+      lanes.goff[n] =
+          static_cast<int32_t>(k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z);
+      lanes.first[n] = j1;
+      lanes.second[n] = j2;
+      if (++lanes.n == 8) {
+        run(lanes);
+        lanes.n = 0;
+      }
+    }
+  }
+  if (lanes.n > 0) {
+    lanes.pad();
+    run(lanes);
+  }
+}
+
+// aev_math::hvp_angular_center on 8 lanes (w: angular_scratch_len floats).
+void hvp_angular8(const ConstView<float>& k, const HalfEdgeView<float>& h, int64_t i,
+                  const float* grow, const float* u_edge, const uint8_t* moving, float* w,
+                  float* fcw, float* out_edge, TermScratch& sc) {
+  alignas(32) float out[6][8];
+  for_triples8(k, h, i, u_edge, moving, /*second=*/true, fcw, sc, [&](const TripleLanes& l) {
+    hvp_lanes8(k, grow, l.in, l.goff, out);
+    for (int64_t j = 0; j < l.n; ++j) {
+      const Neighbor<float>& n1 = sc.neighbors[l.first[j]];
+      const Neighbor<float>& n2 = sc.neighbors[l.second[j]];
+      const Triple<float> t = make_triple(n1, n2);
+      if (t.clamped) {
+        aev_math::angular_terms(k, t, /*second=*/true, w);
+        aev_math::hvp_triple(n1, n2, t, aev_math::triple_psi(k, n1, n2, grow, fcw, w), u_edge,
+                             out_edge);
+        continue;
+      }
+      float* o1 = out_edge + 3 * n1.edge;
+      float* o2 = out_edge + 3 * n2.edge;
+      for (int c = 0; c < 3; ++c) {
+        o1[c] += out[c][j];
+        o2[c] += out[3 + c][j];
+      }
+    }
+  });
+}
+
+// aev_math::jvp_angular_center on 8 lanes (w: angular_scratch_len floats;
+// out: A Z rows of 8 lanes).
+void jvp_angular8(const ConstView<float>& k, const HalfEdgeView<float>& h, int64_t i,
+                  const float* u_edge, const uint8_t* moving, float* w, float* fcw, float* row,
+                  TermScratch& sc) {
+  const int64_t block = k.A * k.Z;
+  sc.block.resize(8 * block);
+  float* out = sc.block.data();
+  for_triples8(k, h, i, u_edge, moving, /*second=*/false, fcw, sc, [&](const TripleLanes& l) {
+    jvp_lanes8(k, l.in, out);
+    for (int64_t j = 0; j < l.n; ++j) {
+      const Neighbor<float>& n1 = sc.neighbors[l.first[j]];
+      const Neighbor<float>& n2 = sc.neighbors[l.second[j]];
+      const Triple<float> t = make_triple(n1, n2);
+      if (t.clamped) {
+        aev_math::angular_terms(k, t, /*second=*/false, w);
+        aev_math::jvp_triple(k, n1, n2, t, u_edge, fcw, w, row);
+        continue;
+      }
+      float* o = row + l.goff[j];
+      for (int64_t q = 0; q < block; ++q) o[q] += out[8 * q + j];
+    }
+  });
+}
+
+// The aev_math Terms policy of the float32 AVX2 path (radial terms).
 struct VectorTerms {
   TermScratch* w;
 
-  template <typename Edges>
-  void prepare(const ConstView<float>& k, const Edges& h, int64_t i, const uint8_t* moving,
-               bool second) const {
-    const int64_t begin = h.begin(i), n = h.end(i) - begin;
-    w->neighbors.resize(n);
-    for (int64_t e = 0; e < n; ++e) w->neighbors[e] = h.neighbor(begin + e);
-    w->triples.clear();
-    for (int64_t e1 = 0; e1 < n; ++e1)
-      for (int64_t e2 = e1 + 1; e2 < n; ++e2)
-        if (aev_math::visits_triple(k, w->neighbors[e1].r, w->neighbors[e2].r, moving,
-                                    begin + e1, begin + e2))
-          w->triples.push_back(make_triple(w->neighbors[e1], w->neighbors[e2]));
-    angular_terms8(k, second, *w);
-  }
   void radial_jvp(const ConstView<float>& k, float r, float fc, float dfc, float dr,
                   float* o) const {
     radial_jvp8(k, r, fc, dfc, dr, o);
@@ -223,10 +458,6 @@ struct VectorTerms {
   void radial_phi(const ConstView<float>& k, float r, const float* g, float& phi1,
                   float& phi2) const {
     radial_phi8(k, r, g, phi1, phi2);
-  }
-  const float* angular(const ConstView<float>& k, const Triple<float>&, int64_t index, bool,
-                       float*) const {
-    return w->terms.data() + index * aev_math::angular_scratch_len(k);
   }
 };
 #endif
@@ -240,7 +471,7 @@ void for_each_centre(int64_t N, const aev_math::ConstView<scalar_t>& k, const Fn
     std::vector<scalar_t> w(aev_math::angular_scratch_len(k));
 #ifdef TF_SIMD_AVX2
     if constexpr (std::is_same_v<scalar_t, float>) {
-      if (simd::have_avx2()) {
+      if (simd::have_avx2() && k.A <= kMaxAngular8 && k.Z <= kMaxAngular8) {
         TermScratch scratch;
         for (int64_t i = begin; i < end; ++i) fn(i, VectorTerms{&scratch}, w.data());
         return;
@@ -288,8 +519,15 @@ at::Tensor aev_jvp_cpu(const at::Tensor& tangent, const at::Tensor& species,
     for_each_centre(N, kv, [&](int64_t i, auto terms, scalar_t* w) {
       scalar_t* row = o + i * kv.F;
       std::fill(row, row + kv.F, scalar_t(0));
-      if (spp[i] >= 0)
-        aev_math::jvp_center(kv, hv, i, u.data(), moving.data(), w, fcw.data(), row, terms);
+      if (spp[i] < 0 || !aev_math::any_moving(hv, i, moving.data())) return;
+      aev_math::jvp_radial_center(kv, hv, i, u.data(), moving.data(), row, terms);
+#ifdef TF_SIMD_AVX2
+      if constexpr (std::is_same_v<decltype(terms), VectorTerms>) {
+        jvp_angular8(kv, hv, i, u.data(), moving.data(), w, fcw.data(), row, *terms.w);
+        return;
+      }
+#endif
+      aev_math::jvp_angular_center(kv, hv, i, u.data(), moving.data(), w, fcw.data(), row);
     });
   });
   return out;
@@ -320,9 +558,18 @@ at::Tensor aev_double_backward_cpu(const at::Tensor& grad_aev, const at::Tensor&
     const int64_t* spp = sp.data_ptr<int64_t>();
     const scalar_t* gp = g.data_ptr<scalar_t>();
     for_each_centre(N, kv, [&](int64_t i, auto terms, scalar_t* w) {
-      if (spp[i] >= 0)
-        aev_math::hvp_center(kv, hv, i, gp + i * kv.F, u.data(), moving.data(), w, fcw.data(),
-                             out_edge.data(), terms);
+      if (spp[i] < 0 || !aev_math::any_moving(hv, i, moving.data())) return;
+      const scalar_t* grow = gp + i * kv.F;
+      aev_math::hvp_radial_center(kv, hv, i, grow, u.data(), moving.data(), out_edge.data(), terms);
+#ifdef TF_SIMD_AVX2
+      if constexpr (std::is_same_v<decltype(terms), VectorTerms>) {
+        hvp_angular8(kv, hv, i, grow, u.data(), moving.data(), w, fcw.data(), out_edge.data(),
+                     *terms.w);
+        return;
+      }
+#endif
+      aev_math::hvp_angular_center(kv, hv, i, grow, u.data(), moving.data(), w, fcw.data(),
+                                   out_edge.data());
     });
     edges_to_pairs(h, out_edge.data(), P, out.data_ptr<scalar_t>());
   });

@@ -503,17 +503,12 @@ TF_HOST_DEVICE inline bool visits_triple(const ConstView<scalar_t>& k, scalar_t 
   return r1 <= k.rc_a && r2 <= k.rc_a && (moving[e1] || moving[e2]);
 }
 
-// Where jvp_center and hvp_center get the terms whose transcendentals cost
-// most: one value at a time, here (CUDA, float64, CPUs without AVX2). The
-// float32 CPU path passes its own (aev/second_cpu.cpp), with the same
-// functions computed 8 values at a time; its angular terms are computed for
-// all triples of the centre in prepare(), then read by index.
+// Where jvp_center and hvp_center get the radial terms, whose exps cost most
+// per half edge: one value at a time, here (CUDA, float64, CPUs without AVX2).
+// The float32 CPU path passes its own (aev/second_cpu.cpp), with the same
+// sums computed 8 shifts at a time.
 template <typename scalar_t>
 struct ScalarTerms {
-  // Before centre i's triples (second: hvp_center, which needs d2f1, d2f2).
-  template <typename Edges>
-  TF_HOST_DEVICE void prepare(const ConstView<scalar_t>&, const Edges&, int64_t, const uint8_t*,
-                              bool) {}
   TF_HOST_DEVICE void radial_jvp(const ConstView<scalar_t>& k, scalar_t r, scalar_t fc,
                                  scalar_t dfc, scalar_t dr, scalar_t* o) const {
     aev_math::radial_jvp(k, r, fc, dfc, dr, o);
@@ -522,25 +517,17 @@ struct ScalarTerms {
                                  scalar_t& phi1, scalar_t& phi2) const {
     aev_math::radial_phi(k, r, g, phi1, phi2);
   }
-  // The angular terms (angular_terms) of triple t, the index-th that the
-  // centre visits: in w, or where the policy keeps them.
-  TF_HOST_DEVICE const scalar_t* angular(const ConstView<scalar_t>& k, const Triple<scalar_t>& t,
-                                         int64_t /*index*/, bool second, scalar_t* w) const {
-    angular_terms(k, t, second, w);
-    return w;
-  }
 };
 
 // row += J_i u: the directional derivative of centre i's AEV row along the
 // half-edge directions u_edge (3 per half edge). w: angular_scratch_len
 // scalars, fcw: 3 per half edge (this centre's entries are overwritten).
+// In two halves, as hvp_center: the radial terms and the angular terms.
 template <typename scalar_t, typename Edges, typename Terms = ScalarTerms<scalar_t>>
-TF_HOST_DEVICE void jvp_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
-                               const scalar_t* u_edge, const uint8_t* moving, scalar_t* w,
-                               scalar_t* fcw, scalar_t* row, Terms terms = Terms()) {
-  if (!any_moving(h, i, moving)) return;
-  const int64_t begin = h.begin(i), end = h.end(i);
-  for (int64_t e = begin; e < end; ++e) {
+TF_HOST_DEVICE void jvp_radial_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
+                                      const scalar_t* u_edge, const uint8_t* moving,
+                                      scalar_t* row, Terms terms = Terms()) {
+  for (int64_t e = h.begin(i); e < h.end(i); ++e) {
     if (!moving[e]) continue;
     const Neighbor<scalar_t> n = h.neighbor(e);
     if (!(n.r > 0)) continue;
@@ -548,48 +535,73 @@ TF_HOST_DEVICE void jvp_center(const ConstView<scalar_t>& k, const Edges& h, int
     terms.radial_jvp(k, n.r, cutoff_value(k.cut, n.r, k.rc_r), cutoff_deriv(k.cut, n.r, k.rc_r),
                      dr, row + n.species * k.R);
   }
+}
+
+// One triple's part of jvp_center: w, its angular terms (angular_terms, first
+// derivatives), fcw the angular cutoffs (angular_cutoffs).
+template <typename scalar_t>
+TF_HOST_DEVICE void jvp_triple(const ConstView<scalar_t>& k, const Neighbor<scalar_t>& n1,
+                               const Neighbor<scalar_t>& n2, const Triple<scalar_t>& t,
+                               const scalar_t* u_edge, const scalar_t* fcw, const scalar_t* w,
+                               scalar_t* row) {
+  const int64_t e1 = n1.edge, e2 = n2.edge;
+  const scalar_t* u1 = u_edge + 3 * e1;
+  const scalar_t* u2 = u_edge + 3 * e2;
+  const TripleGrad<scalar_t> d = triple_grad(n1, n2, t);
+  const scalar_t dq = dot3(d.gq1, u1) + dot3(d.gq2, u2);
+  const scalar_t dr1 = dot3(d.h1, u1), dr2 = dot3(d.h2, u2);
+  const scalar_t *f1 = w, *df1 = w + k.Z, *f2 = w + 3 * k.Z, *df2 = f2 + k.A;
+  const scalar_t fc1 = fcw[3 * e1], fc2 = fcw[3 * e2];
+  const scalar_t fcc = fc1 * fc2;
+  const scalar_t dfcc = fcw[3 * e1 + 1] * fc2 * dr1 + fc1 * fcw[3 * e2 + 1] * dr2;
+  const scalar_t cq = scalar_t(0.95) * dq * fcc;
+  const scalar_t cm = scalar_t(0.5) * (dr1 + dr2) * fcc;
+  scalar_t* o = row + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
+  for (int64_t a = 0; a < k.A; ++a) {
+    const scalar_t pa = cq * f2[a];
+    const scalar_t qa = cm * df2[a] + dfcc * f2[a];
+    for (int64_t z = 0; z < k.Z; ++z) o[a * k.Z + z] += pa * df1[z] + qa * f1[z];
+  }
+}
+
+template <typename scalar_t, typename Edges>
+TF_HOST_DEVICE void jvp_angular_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
+                                       const scalar_t* u_edge, const uint8_t* moving,
+                                       scalar_t* w, scalar_t* fcw, scalar_t* row) {
+  const int64_t begin = h.begin(i), end = h.end(i);
   angular_cutoffs(k, h, i, /*second=*/false, fcw);
-  terms.prepare(k, h, i, moving, /*second=*/false);
-  int64_t index = 0;
   for (int64_t e1 = begin; e1 < end; ++e1) {
     const Neighbor<scalar_t> n1 = h.neighbor(e1);
     if (!(n1.r <= k.rc_a)) continue;
     for (int64_t e2 = e1 + 1; e2 < end; ++e2) {
       const Neighbor<scalar_t> n2 = h.neighbor(e2);
       if (!visits_triple(k, n1.r, n2.r, moving, e1, e2)) continue;
-      const scalar_t* u1 = u_edge + 3 * e1;
-      const scalar_t* u2 = u_edge + 3 * e2;
       const Triple<scalar_t> t = make_triple(n1, n2);
-      const TripleGrad<scalar_t> d = triple_grad(n1, n2, t);
-      const scalar_t dq = dot3(d.gq1, u1) + dot3(d.gq2, u2);
-      const scalar_t dr1 = dot3(d.h1, u1), dr2 = dot3(d.h2, u2);
-      const scalar_t* at = terms.angular(k, t, index++, /*second=*/false, w);
-      const scalar_t *f1 = at, *df1 = at + k.Z, *f2 = at + 3 * k.Z, *df2 = f2 + k.A;
-      const scalar_t fc1 = fcw[3 * e1], fc2 = fcw[3 * e2];
-      const scalar_t fcc = fc1 * fc2;
-      const scalar_t dfcc = fcw[3 * e1 + 1] * fc2 * dr1 + fc1 * fcw[3 * e2 + 1] * dr2;
-      const scalar_t cq = scalar_t(0.95) * dq * fcc;
-      const scalar_t cm = scalar_t(0.5) * (dr1 + dr2) * fcc;
-      scalar_t* o = row + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
-      for (int64_t a = 0; a < k.A; ++a) {
-        const scalar_t pa = cq * f2[a];
-        const scalar_t qa = cm * df2[a] + dfcc * f2[a];
-        for (int64_t z = 0; z < k.Z; ++z) o[a * k.Z + z] += pa * df1[z] + qa * f1[z];
-      }
+      angular_terms(k, t, /*second=*/false, w);
+      jvp_triple(k, n1, n2, t, u_edge, fcw, w, row);
     }
   }
 }
 
+template <typename scalar_t, typename Edges>
+TF_HOST_DEVICE void jvp_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
+                               const scalar_t* u_edge, const uint8_t* moving, scalar_t* w,
+                               scalar_t* fcw, scalar_t* row) {
+  if (!any_moving(h, i, moving)) return;
+  jvp_radial_center(k, h, i, u_edge, moving, row);
+  jvp_angular_center(k, h, i, u_edge, moving, w, fcw, row);
+}
+
 // out_edge += (sum_f g_if Hess(aev_if)) u for the half edges of centre i (the
 // gradient with respect to each half-edge vector). grow: centre i's grad_aev row.
+// In two halves: the radial terms (per half edge) and the angular terms (per
+// triple), which the float32 CPU path replaces with its own (aev/second_cpu.cpp).
 template <typename scalar_t, typename Edges, typename Terms = ScalarTerms<scalar_t>>
-TF_HOST_DEVICE void hvp_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
-                               const scalar_t* grow, const scalar_t* u_edge,
-                               const uint8_t* moving, scalar_t* w, scalar_t* fcw,
-                               scalar_t* out_edge, Terms terms = Terms()) {
-  if (!any_moving(h, i, moving)) return;
-  const int64_t begin = h.begin(i), end = h.end(i);
-  for (int64_t e = begin; e < end; ++e) {
+TF_HOST_DEVICE void hvp_radial_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
+                                      const scalar_t* grow, const scalar_t* u_edge,
+                                      const uint8_t* moving, scalar_t* out_edge,
+                                      Terms terms = Terms()) {
+  for (int64_t e = h.begin(i); e < h.end(i); ++e) {
     if (!moving[e]) continue;
     const Neighbor<scalar_t> n = h.neighbor(e);
     if (!(n.r > 0)) continue;
@@ -597,9 +609,41 @@ TF_HOST_DEVICE void hvp_center(const ConstView<scalar_t>& k, const Edges& h, int
     terms.radial_phi(k, n.r, grow + n.species * k.R, phi1, phi2);
     radial_hvp(n, phi1, phi2, u_edge + 3 * e, out_edge + 3 * e);
   }
+}
+
+// The angular terms' part of one triple (n1, n2 of the half edges e1, e2): the
+// gradient contraction p (psi_contract), then the chain rule through the geometry.
+template <typename scalar_t>
+TF_HOST_DEVICE void hvp_triple(const Neighbor<scalar_t>& n1, const Neighbor<scalar_t>& n2,
+                               const Triple<scalar_t>& t, const PsiDerivs<scalar_t>& p,
+                               const scalar_t* u_edge, scalar_t* out_edge) {
+  const int64_t e1 = n1.edge, e2 = n2.edge;
+  const TripleGrad<scalar_t> d = triple_grad(n1, n2, t);
+  triple_hvp(n1, n2, t, d, p, u_edge + 3 * e1, u_edge + 3 * e2, out_edge + 3 * e1,
+             out_edge + 3 * e2);
+}
+
+// The contraction of triple t of centre i with its grad_aev block, from the
+// triple's angular terms w (angular_terms with second derivatives) and the
+// angular cutoffs fcw (angular_cutoffs).
+template <typename scalar_t>
+TF_HOST_DEVICE PsiDerivs<scalar_t> triple_psi(const ConstView<scalar_t>& k,
+                                              const Neighbor<scalar_t>& n1,
+                                              const Neighbor<scalar_t>& n2, const scalar_t* grow,
+                                              const scalar_t* fcw, const scalar_t* w) {
+  const int64_t e1 = n1.edge, e2 = n2.edge;
+  const scalar_t* g = grow + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
+  return psi_contract(k, g, fcw[3 * e1], fcw[3 * e2], fcw[3 * e1 + 1], fcw[3 * e2 + 1],
+                      fcw[3 * e1 + 2], fcw[3 * e2 + 2], w);
+}
+
+template <typename scalar_t, typename Edges>
+TF_HOST_DEVICE void hvp_angular_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
+                                       const scalar_t* grow, const scalar_t* u_edge,
+                                       const uint8_t* moving, scalar_t* w, scalar_t* fcw,
+                                       scalar_t* out_edge) {
+  const int64_t begin = h.begin(i), end = h.end(i);
   angular_cutoffs(k, h, i, /*second=*/true, fcw);
-  terms.prepare(k, h, i, moving, /*second=*/true);
-  int64_t index = 0;
   for (int64_t e1 = begin; e1 < end; ++e1) {
     const Neighbor<scalar_t> n1 = h.neighbor(e1);
     if (!(n1.r <= k.rc_a)) continue;
@@ -607,16 +651,20 @@ TF_HOST_DEVICE void hvp_center(const ConstView<scalar_t>& k, const Edges& h, int
       const Neighbor<scalar_t> n2 = h.neighbor(e2);
       if (!visits_triple(k, n1.r, n2.r, moving, e1, e2)) continue;
       const Triple<scalar_t> t = make_triple(n1, n2);
-      const scalar_t* g = grow + k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z;
-      const PsiDerivs<scalar_t> p =
-          psi_contract(k, g, fcw[3 * e1], fcw[3 * e2], fcw[3 * e1 + 1], fcw[3 * e2 + 1],
-                       fcw[3 * e1 + 2], fcw[3 * e2 + 2],
-                       terms.angular(k, t, index++, /*second=*/true, w));
-      const TripleGrad<scalar_t> d = triple_grad(n1, n2, t);
-      triple_hvp(n1, n2, t, d, p, u_edge + 3 * e1, u_edge + 3 * e2, out_edge + 3 * e1,
-                 out_edge + 3 * e2);
+      angular_terms(k, t, /*second=*/true, w);
+      hvp_triple(n1, n2, t, triple_psi(k, n1, n2, grow, fcw, w), u_edge, out_edge);
     }
   }
+}
+
+template <typename scalar_t, typename Edges>
+TF_HOST_DEVICE void hvp_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
+                               const scalar_t* grow, const scalar_t* u_edge,
+                               const uint8_t* moving, scalar_t* w, scalar_t* fcw,
+                               scalar_t* out_edge) {
+  if (!any_moving(h, i, moving)) return;
+  hvp_radial_center(k, h, i, grow, u_edge, moving, out_edge);
+  hvp_angular_center(k, h, i, grow, u_edge, moving, w, fcw, out_edge);
 }
 
 // Slots of the atoms centre i depends on: slot 0 is the centre itself, then its

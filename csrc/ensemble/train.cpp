@@ -44,9 +44,44 @@ struct Group {
   std::vector<at::Tensor> packs;
   int64_t layers;
 
-  at::Tensor gather(const at::Tensor& t) const {  // rows and columns of an (atoms, features) tensor
+  // Its rows and columns of an (atoms, features) tensor: on the CPU outside
+  // grad mode in one pass (each row's columns picked as it is copied: the
+  // 2iuz batch's 1472 x 1008 AEV is not copied whole first), otherwise (a
+  // recording for third derivatives, another device) by two index_selects.
+  at::Tensor gather(const at::Tensor& t) const {
+    if (t.is_cpu() && !at::GradMode::is_enabled() && t.dim() == 2) return gather_cpu(t);
     const at::Tensor rows = t.index_select(0, atoms);
     return all_columns ? rows : rows.index_select(1, cols);
+  }
+  at::Tensor gather_cpu(const at::Tensor& t) const {
+    const at::Tensor src = t.contiguous(), a = atoms.contiguous(), c = cols.contiguous();
+    const int64_t n = a.numel(), rows = src.size(0), features = src.size(1);
+    const int64_t K = all_columns ? features : c.numel();
+    const int64_t* ap = a.data_ptr<int64_t>();
+    const int64_t* cp = c.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(ap[i] >= 0 && ap[i] < rows, "ensemble_train: atom ", ap[i],
+                  " is not a row of the AEV (", rows, " rows)");
+    for (int64_t j = 0; !all_columns && j < K; ++j)
+      TORCH_CHECK(cp[j] >= 0 && cp[j] < features, "ensemble_train: column ", cp[j],
+                  " is not a column of the AEV (", features, " features)");
+    at::Tensor out = at::empty({n, K}, src.options());
+    AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "ensemble_train_gather", [&] {
+      const scalar_t* in = src.data_ptr<scalar_t>();
+      scalar_t* o = out.data_ptr<scalar_t>();
+      torchani_fast::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const scalar_t* row = in + ap[i] * features;
+          scalar_t* dst = o + i * K;
+          if (all_columns) {
+            std::copy(row, row + features, dst);
+          } else {
+            for (int64_t j = 0; j < K; ++j) dst[j] = row[cp[j]];
+          }
+        }
+      });
+    });
+    return out;
   }
   // Set this group's rows and columns of `into` (atoms, features; from
   // scatter_target) to `val`, and the rest of its rows to 0: on the CPU one
@@ -364,13 +399,11 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
     // pre-activations have one only under a force loss.
     ctx->set_materialize_grads(false);
     const auto groups = make_groups(atoms, sizes, columns, first, packs, layers, aev.size(1));
-    // Each group's inputs, kept for the layer-1 weight gradient: the rows of
-    // all groups in one gather, then each group's columns.
-    const std::vector<at::Tensor> rows = aev.index_select(0, atoms).split_with_sizes(sizes);
+    // Each group's inputs, kept for the layer-1 weight gradient.
     std::vector<at::Tensor> inputs, pre, post, values;
     for (size_t gi = 0; gi < groups.size(); ++gi) {
       const Group& g = groups[gi];
-      inputs.push_back(g.all_columns ? rows[gi] : rows[gi].index_select(1, g.cols));
+      inputs.push_back(g.gather(aev));
       values.push_back(group_values(g, inputs.back(), members, small, activation, &pre, &post));
     }
     at::Tensor out = at::zeros({members, aev.size(0)}, aev.options());

@@ -198,3 +198,15 @@ def test_bad_arguments_are_named():
     with pytest.raises(RuntimeError, match=rf"atoms must be distinct rows of the AEV \(in \[0, {aev.shape[0]}\)\); "
                                            rf"atom {int(twice[0])} is repeated"):
         torch.autograd.grad(call(x, twice, sizes, columns, first, packs, layers, 2).sum(), x)
+    # Rows and columns outside the AEV (the CPU forward gathers them itself).
+    far = atoms.clone()
+    far[1] = aev.shape[0] + 3
+    with pytest.raises(RuntimeError, match=rf"atom {aev.shape[0] + 3} is not a row of the AEV "
+                                           rf"\({aev.shape[0]} rows\)"):
+        call(aev, far, sizes, columns, first, packs, layers, 2)
+    wide = [c.clone() for c in columns]
+    g = next(i for i, c in enumerate(wide) if c.numel() < aev.shape[1])
+    wide[g][-1] = aev.shape[1]
+    with pytest.raises(RuntimeError, match=rf"column {aev.shape[1]} is not a column of the AEV "
+                                           rf"\({aev.shape[1]} features\)"):
+        call(aev, atoms, sizes, wide, first, packs, layers, 2)

@@ -64,17 +64,25 @@ struct TermScratch {
   std::vector<float> block;  // jvp_lanes8's A Z rows of 8 lanes
 };
 
+// For the radial shifts s .. s + 8 at distance r (rr): their eta, x = r - Rs
+// and 0.25 exp(-eta x^2).
+TF_AVX2_INLINE __m256 radial_gauss8(const ConstView<float>& k, __m256 rr, int64_t s, __m256& eta,
+                                    __m256& x) {
+  eta = _mm256_loadu_ps(k.eta_r + s);
+  x = _mm256_sub_ps(rr, _mm256_loadu_ps(k.shf_r + s));
+  const __m256 u = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), eta), x), x);
+  return _mm256_mul_ps(_mm256_set1_ps(0.25f), simd::exp(u));
+}
+
 // o[s] += dr d rad_s / dr (aev_math::radial_jvp).
 TF_AVX2 void radial_jvp8(const ConstView<float>& k, float r, float fc, float dfc, float dr,
                          float* o) {
   const __m256 rr = _mm256_set1_ps(r), vfc = _mm256_set1_ps(fc), vdfc = _mm256_set1_ps(dfc);
-  const __m256 vdr = _mm256_set1_ps(dr), quarter = _mm256_set1_ps(0.25f);
+  const __m256 vdr = _mm256_set1_ps(dr);
   int64_t s = 0;
   for (; s + 8 <= k.R; s += 8) {
-    const __m256 eta = _mm256_loadu_ps(k.eta_r + s);
-    const __m256 x = _mm256_sub_ps(rr, _mm256_loadu_ps(k.shf_r + s));
-    const __m256 ex = _mm256_mul_ps(quarter, simd::exp(_mm256_mul_ps(_mm256_mul_ps(
-                                                 _mm256_sub_ps(_mm256_setzero_ps(), eta), x), x)));
+    __m256 eta, x;
+    const __m256 ex = radial_gauss8(k, rr, s, eta, x);
     const __m256 slope = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_add_ps(eta, eta), x), vfc, vdfc);
     _mm256_storeu_ps(o + s, _mm256_fmadd_ps(_mm256_mul_ps(vdr, ex), slope, _mm256_loadu_ps(o + s)));
   }
@@ -98,14 +106,12 @@ TF_AVX2 void radial_phi8(const ConstView<float>& k, float r, const float* g, flo
   const float dfc = aev_math::cutoff_deriv(k.cut, r, k.rc_r);
   const float d2fc = aev_math::cutoff_deriv2(k.cut, r, k.rc_r);
   const __m256 rr = _mm256_set1_ps(r), vfc = _mm256_set1_ps(fc), vdfc = _mm256_set1_ps(dfc);
-  const __m256 vd2fc = _mm256_set1_ps(d2fc), quarter = _mm256_set1_ps(0.25f);
+  const __m256 vd2fc = _mm256_set1_ps(d2fc);
   __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
   int64_t s = 0;
   for (; s + 8 <= k.R; s += 8) {
-    const __m256 eta = _mm256_loadu_ps(k.eta_r + s);
-    const __m256 x = _mm256_sub_ps(rr, _mm256_loadu_ps(k.shf_r + s));
-    const __m256 e = _mm256_mul_ps(quarter, simd::exp(_mm256_mul_ps(_mm256_mul_ps(
-                                                _mm256_sub_ps(_mm256_setzero_ps(), eta), x), x)));
+    __m256 eta, x;
+    const __m256 e = radial_gauss8(k, rr, s, eta, x);
     const __m256 two_eta_x = _mm256_mul_ps(_mm256_add_ps(eta, eta), x);
     const __m256 de = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(two_eta_x, e));
     // d2e = (4 eta^2 x^2 - 2 eta) e
@@ -171,16 +177,19 @@ TF_AVX2_INLINE void shift_terms8(const ConstView<float>& k, int64_t a, __m256 m,
   f2 = simd::exp(_mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), eta), x), x));
   const __m256 two_eta_x = _mm256_mul_ps(_mm256_add_ps(eta, eta), x);
   df2 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(two_eta_x, f2));
-  if (second) d2f2 = _mm256_mul_ps(_mm256_fmsub_ps(two_eta_x, two_eta_x, _mm256_add_ps(eta, eta)), f2);
+  if (second)
+    d2f2 = _mm256_mul_ps(_mm256_fmsub_ps(two_eta_x, two_eta_x, _mm256_add_ps(eta, eta)), f2);
 }
 
-// The most angular shifts (A) and sections (Z) of hvp_angular8.
+// The most angular shifts (A) and sections (Z) of the 8-lane angular kernels.
 constexpr int64_t kMaxAngular8 = 16;
 
-// The inputs of 8 triples of hvp_angular8, one row of 8 lanes per field.
-enum HvpField {
+// The inputs of 8 triples of jvp_lanes8 and hvp_lanes8, one row of 8 lanes per
+// field (the half edges' vectors, tangents, 1 / r and angular cutoffs, the
+// triple's c, sin_c, mean distance and cos).
+enum TripleField {
   kX1, kY1, kZ1, kX2, kY2, kZ2, kU1x, kU1y, kU1z, kU2x, kU2y, kU2z,
-  kInv1, kInv2, kFc1, kFc2, kDfc1, kDfc2, kD2fc1, kD2fc2, kC, kS, kM, kQ, kHvpFields
+  kInv1, kInv2, kFc1, kFc2, kDfc1, kDfc2, kD2fc1, kD2fc2, kC, kS, kM, kQ, kTripleFields
 };
 
 TF_AVX2_INLINE __m256 dot3_8(const __m256 (&x)[3], const __m256 (&y)[3]) {
@@ -191,7 +200,7 @@ TF_AVX2_INLINE __m256 dot3_8(const __m256 (&x)[3], const __m256 (&y)[3]) {
 struct Geometry8 {
   __m256 h1[3], h2[3], gq1[3], gq2[3], u1[3], u2[3];
 };
-TF_AVX2_INLINE Geometry8 geometry8(const float (&in)[kHvpFields][8]) {
+TF_AVX2_INLINE Geometry8 geometry8(const float (&in)[kTripleFields][8]) {
   Geometry8 g;
   const __m256 inv1 = _mm256_load_ps(in[kInv1]), inv2 = _mm256_load_ps(in[kInv2]);
   const __m256 q = _mm256_load_ps(in[kQ]);
@@ -210,7 +219,7 @@ TF_AVX2_INLINE Geometry8 geometry8(const float (&in)[kHvpFields][8]) {
 
 // aev_math::jvp_triple of 8 triples: out[8 (a Z + z) + lane], the directional
 // derivative of each triple's angular block along its u.
-TF_AVX2 void jvp_lanes8(const ConstView<float>& k, const float (&in)[kHvpFields][8],
+TF_AVX2 void jvp_lanes8(const ConstView<float>& k, const float (&in)[kTripleFields][8],
                         float* out) {
   const int64_t Z = k.Z, A = k.A;
   const Geometry8 g = geometry8(in);
@@ -218,10 +227,12 @@ TF_AVX2 void jvp_lanes8(const ConstView<float>& k, const float (&in)[kHvpFields]
   const __m256 dr1 = dot3_8(g.h1, g.u1), dr2 = dot3_8(g.h2, g.u2);
   const __m256 fc1 = _mm256_load_ps(in[kFc1]), fc2 = _mm256_load_ps(in[kFc2]);
   const __m256 fcc = _mm256_mul_ps(fc1, fc2);
-  const __m256 dfcc = _mm256_fmadd_ps(_mm256_mul_ps(fc1, _mm256_load_ps(in[kDfc2])), dr2,
-                                      _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(in[kDfc1]), fc2), dr1));
+  const __m256 dfc1 = _mm256_load_ps(in[kDfc1]), dfc2 = _mm256_load_ps(in[kDfc2]);
+  const __m256 dfcc = _mm256_fmadd_ps(_mm256_mul_ps(fc1, dfc2), dr2,
+                                      _mm256_mul_ps(_mm256_mul_ps(dfc1, fc2), dr1));
   const __m256 cq = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.95f), dq), fcc);
-  const __m256 cm = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_add_ps(dr1, dr2)), fcc);
+  const __m256 cm =
+      _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_add_ps(dr1, dr2)), fcc);
   const TripleLanes8 t = triple_lanes8(_mm256_load_ps(in[kC]), _mm256_load_ps(in[kS]));
   __m256 f1[kMaxAngular8], df1[kMaxAngular8], unused;
   for (int64_t z = 0; z < Z; ++z) section_terms8(k, z, t, /*second=*/false, f1[z], df1[z], unused);
@@ -232,14 +243,15 @@ TF_AVX2 void jvp_lanes8(const ConstView<float>& k, const float (&in)[kHvpFields]
     const __m256 pa = _mm256_mul_ps(cq, f2);
     const __m256 qa = _mm256_fmadd_ps(dfcc, f2, _mm256_mul_ps(cm, df2));
     for (int64_t z = 0; z < Z; ++z)
-      _mm256_storeu_ps(out + 8 * (a * Z + z), _mm256_fmadd_ps(qa, f1[z], _mm256_mul_ps(pa, df1[z])));
+      _mm256_storeu_ps(out + 8 * (a * Z + z),
+                       _mm256_fmadd_ps(qa, f1[z], _mm256_mul_ps(pa, df1[z])));
   }
 }
 
 // The angular Hessian-vector product of 8 triples (hvp_angular8's lanes):
 // out[0..3) the gradient of the first half edge of each, out[3..6) the second's.
 TF_AVX2 void hvp_lanes8(const ConstView<float>& k, const float* grow,
-                        const float (&in)[kHvpFields][8], const int32_t (&goff)[8],
+                        const float (&in)[kTripleFields][8], const int32_t (&goff)[8],
                         float (&out)[6][8]) {
   const int64_t Z = k.Z, A = k.A;
   const TripleLanes8 t = triple_lanes8(_mm256_load_ps(in[kC]), _mm256_load_ps(in[kS]));
@@ -269,7 +281,8 @@ TF_AVX2 void hvp_lanes8(const ConstView<float>& k, const float* grow,
     s20 = _mm256_fmadd_ps(d2f1, t0, s20);
   }
   // aev_math::psi_contract's chain rule.
-  const __m256 fc1 = _mm256_load_ps(in[kFc1]), fc2 = _mm256_load_ps(in[kFc2]), dfc1 = _mm256_load_ps(in[kDfc1]), dfc2 = _mm256_load_ps(in[kDfc2]);
+  const __m256 fc1 = _mm256_load_ps(in[kFc1]), fc2 = _mm256_load_ps(in[kFc2]);
+  const __m256 dfc1 = _mm256_load_ps(in[kDfc1]), dfc2 = _mm256_load_ps(in[kDfc2]);
   const __m256 C = _mm256_mul_ps(fc1, fc2), k95 = _mm256_set1_ps(0.95f);
   const __m256 half = _mm256_set1_ps(0.5f), quarter = _mm256_set1_ps(0.25f);
   const __m256 d1c = _mm256_mul_ps(dfc1, fc2), d2c = _mm256_mul_ps(fc1, dfc2);
@@ -297,28 +310,28 @@ TF_AVX2 void hvp_lanes8(const ConstView<float>& k, const float* grow,
   const __m256 dq = _mm256_add_ps(dot3_8(gq1, u1), dot3_8(gq2, u2));
   const __m256 a1 = dot3_8(h1, u1), b1 = dot3_8(h2, u1), a2 = dot3_8(h1, u2), b2 = dot3_8(h2, u2);
   const __m256 c_q = _mm256_fmadd_ps(p_q2, b2, _mm256_fmadd_ps(p_q1, a1, _mm256_mul_ps(p_qq, dq)));
-  const __m256 c_1 = _mm256_fmadd_ps(p_r12, b2, _mm256_fmadd_ps(p_r11, a1, _mm256_mul_ps(p_q1, dq)));
-  const __m256 c_2 = _mm256_fmadd_ps(p_r22, b2, _mm256_fmadd_ps(p_r12, a1, _mm256_mul_ps(p_q2, dq)));
+  const __m256 c_1 =
+      _mm256_fmadd_ps(p_r12, b2, _mm256_fmadd_ps(p_r11, a1, _mm256_mul_ps(p_q1, dq)));
+  const __m256 c_2 =
+      _mm256_fmadd_ps(p_r22, b2, _mm256_fmadd_ps(p_r12, a1, _mm256_mul_ps(p_q2, dq)));
   const __m256 i11 = _mm256_mul_ps(inv1, inv1), i22 = _mm256_mul_ps(inv2, inv2);
   const __m256 i12 = _mm256_mul_ps(inv1, inv2), three_q = _mm256_mul_ps(_mm256_set1_ps(3.0f), q);
+  const __m256 qa1 = _mm256_mul_ps(q, a1), qb2 = _mm256_mul_ps(q, b2);
+  const __m256 qa1_3 = _mm256_mul_ps(three_q, a1), qb2_3 = _mm256_mul_ps(three_q, b2);
   for (int c = 0; c < 3; ++c) {
     const __m256 x1 = h1[c], x2 = h2[c];
     // hq1 = (-a1 x2 - b1 x1 + 3 q a1 x1 - q u1) i11 + (u2 - b2 x2 - a2 x1 + q b2 x1) i12
-    const __m256 hq1 = _mm256_fmadd_ps(
-        _mm256_fnmadd_ps(q, u1[c], _mm256_fmsub_ps(_mm256_mul_ps(three_q, a1), x1,
-                                                   _mm256_fmadd_ps(a1, x2, _mm256_mul_ps(b1, x1)))),
-        i11,
-        _mm256_mul_ps(_mm256_fmadd_ps(_mm256_mul_ps(q, b2), x1,
-                                      _mm256_sub_ps(u2[c], _mm256_fmadd_ps(b2, x2, _mm256_mul_ps(a2, x1)))),
-                      i12));
+    const __m256 p11 = _mm256_fnmadd_ps(
+        q, u1[c], _mm256_fmsub_ps(qa1_3, x1, _mm256_fmadd_ps(a1, x2, _mm256_mul_ps(b1, x1))));
+    const __m256 p12 = _mm256_fmadd_ps(
+        qb2, x1, _mm256_sub_ps(u2[c], _mm256_fmadd_ps(b2, x2, _mm256_mul_ps(a2, x1))));
+    const __m256 hq1 = _mm256_fmadd_ps(p11, i11, _mm256_mul_ps(p12, i12));
     // hq2 = (u1 - b1 x2 - a1 x1 + q a1 x2) i12 + (-b2 x1 - a2 x2 + 3 q b2 x2 - q u2) i22
-    const __m256 hq2 = _mm256_fmadd_ps(
-        _mm256_fmadd_ps(_mm256_mul_ps(q, a1), x2,
-                        _mm256_sub_ps(u1[c], _mm256_fmadd_ps(b1, x2, _mm256_mul_ps(a1, x1)))),
-        i12,
-        _mm256_mul_ps(_mm256_fnmadd_ps(q, u2[c], _mm256_fmsub_ps(_mm256_mul_ps(three_q, b2), x2,
-                                                                 _mm256_fmadd_ps(b2, x1, _mm256_mul_ps(a2, x2)))),
-                      i22));
+    const __m256 p21 = _mm256_fmadd_ps(
+        qa1, x2, _mm256_sub_ps(u1[c], _mm256_fmadd_ps(b1, x2, _mm256_mul_ps(a1, x1))));
+    const __m256 p22 = _mm256_fnmadd_ps(
+        q, u2[c], _mm256_fmsub_ps(qb2_3, x2, _mm256_fmadd_ps(b2, x1, _mm256_mul_ps(a2, x2))));
+    const __m256 hq2 = _mm256_fmadd_ps(p21, i12, _mm256_mul_ps(p22, i22));
     const __m256 hr1 = _mm256_mul_ps(_mm256_fnmadd_ps(a1, x1, u1[c]), inv1);
     const __m256 hr2 = _mm256_mul_ps(_mm256_fnmadd_ps(b2, x2, u2[c]), inv2);
     const __m256 o1 = _mm256_fmadd_ps(p_r1, hr1, _mm256_fmadd_ps(p_q, hq1, _mm256_fmadd_ps(
@@ -333,15 +346,16 @@ TF_AVX2 void hvp_lanes8(const ConstView<float>& k, const float* grow,
 // The inputs of up to 8 triples of one centre, one row of 8 lanes per field;
 // n of them used.
 struct TripleLanes {
-  alignas(32) float in[kHvpFields][8];
+  alignas(32) float in[kTripleFields][8];
   alignas(32) int32_t goff[8];  // the triple's angular block in the AEV row
   int64_t first[8], second[8];  // its neighbours in TermScratch::neighbors
+  bool clamped[8];              // r1 r2 < 1e-10: the scalar functions' triple
   int64_t n = 0;
 
   // The unused lanes made benign (unit vectors, no cutoff), for run(lanes).
   void pad() {
     for (int64_t j = n; j < 8; ++j) {
-      for (int f = 0; f < kHvpFields; ++f) in[f][j] = 0.0f;
+      for (int f = 0; f < kTripleFields; ++f) in[f][j] = 0.0f;
       in[kX1][j] = in[kY2][j] = in[kInv1][j] = in[kInv2][j] = in[kS][j] = 1.0f;
       goff[j] = goff[0];
     }
@@ -370,7 +384,7 @@ void for_triples8(const ConstView<float>& k, const HalfEdgeView<float>& h, int64
       const int64_t e1 = n1.edge, e2 = n2.edge;
       const float* u1 = u_edge + 3 * e1;
       const float* u2 = u_edge + 3 * e2;
-      const float vals[kHvpFields] = {
+      const float vals[kTripleFields] = {
           n1.v[0], n1.v[1], n1.v[2], n2.v[0], n2.v[1], n2.v[2], u1[0], u1[1], u1[2],
           u2[0], u2[1], u2[2], n1.r > 0 ? 1.0f / n1.r : 0.0f, n2.r > 0 ? 1.0f / n2.r : 0.0f,
           fcw[3 * e1], fcw[3 * e2], fcw[3 * e1 + 1], fcw[3 * e2 + 1],
@@ -378,11 +392,12 @@ void for_triples8(const ConstView<float>& k, const HalfEdgeView<float>& h, int64
           t.clamped ? 0.0f : t.c, t.clamped ? 1.0f : t.sin_c, t.mean_r,
           t.clamped ? 0.0f : t.cos_raw};
       const int64_t n = lanes.n;
-      for (int f = 0; f < kHvpFields; ++f) lanes.in[f][n] = vals[f];
+      for (int f = 0; f < kTripleFields; ++f) lanes.in[f][n] = vals[f];
       lanes.goff[n] =
           static_cast<int32_t>(k.radial_len + k.pair_index(n1.species, n2.species) * k.A * k.Z);
       lanes.first[n] = j1;
       lanes.second[n] = j2;
+      lanes.clamped[n] = t.clamped;
       if (++lanes.n == 8) {
         run(lanes);
         lanes.n = 0;
@@ -405,8 +420,8 @@ void hvp_angular8(const ConstView<float>& k, const HalfEdgeView<float>& h, int64
     for (int64_t j = 0; j < l.n; ++j) {
       const Neighbor<float>& n1 = sc.neighbors[l.first[j]];
       const Neighbor<float>& n2 = sc.neighbors[l.second[j]];
-      const Triple<float> t = make_triple(n1, n2);
-      if (t.clamped) {
+      if (l.clamped[j]) {
+        const Triple<float> t = make_triple(n1, n2);
         aev_math::angular_terms(k, t, /*second=*/true, w);
         aev_math::hvp_triple(n1, n2, t, aev_math::triple_psi(k, n1, n2, grow, fcw, w), u_edge,
                              out_edge);
@@ -433,10 +448,10 @@ void jvp_angular8(const ConstView<float>& k, const HalfEdgeView<float>& h, int64
   for_triples8(k, h, i, u_edge, moving, /*second=*/false, fcw, sc, [&](const TripleLanes& l) {
     jvp_lanes8(k, l.in, out);
     for (int64_t j = 0; j < l.n; ++j) {
-      const Neighbor<float>& n1 = sc.neighbors[l.first[j]];
-      const Neighbor<float>& n2 = sc.neighbors[l.second[j]];
-      const Triple<float> t = make_triple(n1, n2);
-      if (t.clamped) {
+      if (l.clamped[j]) {
+        const Neighbor<float>& n1 = sc.neighbors[l.first[j]];
+        const Neighbor<float>& n2 = sc.neighbors[l.second[j]];
+        const Triple<float> t = make_triple(n1, n2);
         aev_math::angular_terms(k, t, /*second=*/false, w);
         aev_math::jvp_triple(k, n1, n2, t, u_edge, fcw, w, row);
         continue;

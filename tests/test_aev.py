@@ -351,8 +351,8 @@ def test_chunked_half_edges_same_bits_for_any_thread_count():
     """Above 16 384 pairs the CPU AEV ops build their half edges in parallel
     chunks of pairs (csrc/aev/half_edges.h), each atom's half edges still by
     neighbour species, each species in pair order: the AEV, its gradient and
-    the second-derivative product give the same bits with 1 and 2 threads (1
-    thread: one chunk, the serial order).
+    the second-derivative products give the same bits with 1, 2 and 4 threads
+    (1 thread: one chunk, the serial order).
     A pair that indexes no atom is reported, the first one of all."""
     ref = reference_model("ANI2x", torch.float64)
     species, coords, _, _ = atoms_to_tensors(read_molecule("1hz5.xyz"), torch.float64)
@@ -370,15 +370,17 @@ def test_chunked_half_edges_same_bits_for_any_thread_count():
         tangent = torch.cos(torch.arange(diff.numel(), dtype=dtype)).view_as(diff)
         threads = torch.get_num_threads()
         try:
-            for n in (1, 2):
+            for n in (1, 2, 4):
                 torch.set_num_threads(n)
                 results[dtype, n] = (ops.aev(elem, pairs, diff, *args),
                                      ops.aev_backward(weights, elem, pairs, diff, *args),
-                                     ops.aev_double_backward(weights, tangent, elem, pairs, diff, *args))
+                                     ops.aev_double_backward(weights, tangent, elem, pairs, diff, *args),
+                                     ops.aev_jvp(tangent, elem, pairs, diff, *args))
         finally:
             torch.set_num_threads(threads)
-        for a, b in zip(results[dtype, 1], results[dtype, 2]):
-            assert torch.equal(a, b)
+        for n in (2, 4):
+            for a, b in zip(results[dtype, 1], results[dtype, n]):
+                assert torch.equal(a, b)
         assert results[dtype, 1][1].abs().sum() > 0
     bad = pairs.clone()
     first_bad, later_bad = 100, pairs.shape[1] - 100  # one in each of the two chunks

@@ -109,17 +109,11 @@ def test_float32_second_derivatives_close_to_float64():
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
 
 
-@pytest.mark.parametrize("like,cutoff", [("like_1x", 0), ("like_2x", 0), ("like_2x", 1)],
-                         ids=["1x", "2x", "2x-smooth"])
-def test_float32_second_derivatives_on_every_isa_level(like, cutoff, levels):
-    """With AVX2 the float32 aev_jvp and aev_double_backward take their exps and
-    logs 8 at a time (csrc/aev/second_cpu.cpp: every radial shift of a
-    neighbour, the angular terms of 8 triples), without AVX2 one at a time
-    (libm). Both stay as close to float64 as float32 allows, on a padded batch
-    of 2iuz (46 atoms, every radial and angular term of ANI-1x and ANI-2x in
-    use, the cosine and the smooth cutoff) and with a zeta below 2 (the other
-    branch of the second derivative). (Clamped triples, computed by the scalar
-    functions on every level: test_coincident_atoms_give_no_nan.)"""
+def second_derivative_case(like, cutoff):
+    """A padded batch of 2iuz (46 atoms, every radial and angular term of
+    ANI-1x or ANI-2x in use) with the cosine (0) or the smooth (1) cutoff and
+    a zeta below 2 (the other branch of the second derivative): the inputs of
+    aev_jvp and aev_double_backward, float64."""
     aevc = getattr(torchani.aev.AEVComputer, like)()
     atoms = read_molecule("2iuz_ligand.xyz")
     z = torch.tensor(atoms.numbers)
@@ -146,8 +140,25 @@ def test_float32_second_derivatives_on_every_isa_level(like, cutoff, levels):
         return (ops.aev_jvp(tangent.to(dt), elem, pairs, diff.to(dt), *c),
                 ops.aev_double_backward(grad_aev.to(dt), tangent.to(dt), elem, pairs, diff.to(dt),
                                         *c))
+    return run
 
-    ref = run(F64)
+
+CASES = pytest.mark.parametrize("like,cutoff", [("like_1x", 0), ("like_2x", 0), ("like_2x", 1)],
+                                ids=["1x", "2x", "2x-smooth"])
+
+
+@CASES
+def test_float32_second_derivatives_on_every_isa_level(like, cutoff, levels):
+    """With AVX2 aev_jvp and aev_double_backward run on lanes
+    (csrc/aev/second_lanes.h: every radial shift of a neighbour, the angular
+    terms of several triples at once, the exps and logs of simd::), without
+    AVX2 one value at a time (libm). In float32 both stay as close to float64
+    as float32 allows. (Clamped triples, computed by the scalar functions on
+    every level: test_coincident_atoms_give_no_nan.)"""
+    run = second_derivative_case(like, cutoff)
+    with torch.no_grad():
+        torchani_fast.cpu_isa("none")
+        ref = run(F64)  # float64 one value at a time
     assert all(torch.isfinite(x).all() and x.abs().max() > 0 for x in ref)
     for level in levels:
         torchani_fast.cpu_isa(level)
@@ -155,6 +166,23 @@ def test_float32_second_derivatives_on_every_isa_level(like, cutoff, levels):
             scale = want.abs().max().item()
             torch.testing.assert_close(got.double(), want, rtol=0, atol=3e-6 * scale,
                                        msg=lambda m: f"{level}: {m}")
+
+
+@CASES
+def test_float64_second_derivatives_on_every_isa_level(like, cutoff, levels):
+    """float64 on lanes (4 with AVX2, 8 with AVX-512) against float64 one value
+    at a time: the same formulas, exps and logs within 2 ulp, other orders of
+    summation: 1e-13 of the largest entry (measured: 4e-16 to 2e-15)."""
+    run = second_derivative_case(like, cutoff)
+    torchani_fast.cpu_isa("none")
+    ref = run(F64)
+    for level in levels[1:]:
+        torchani_fast.cpu_isa(level)
+        for got, want in zip(run(F64), ref):
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-13 * scale,
+                                       msg=lambda m: f"{level}: {m}")
+            assert not torch.equal(got, want)  # (the lanes ran)
 
 
 def test_opcheck_second_derivative_ops():

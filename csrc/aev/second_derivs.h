@@ -503,10 +503,10 @@ TF_HOST_DEVICE inline bool visits_triple(const ConstView<scalar_t>& k, scalar_t 
   return r1 <= k.rc_a && r2 <= k.rc_a && (moving[e1] || moving[e2]);
 }
 
-// Where jvp_center and hvp_center get the radial terms, whose exps cost most
-// per half edge: one value at a time, here (CUDA, float64, CPUs without AVX2).
-// The float32 CPU path passes its own (aev/second_cpu.cpp), with the same
-// sums computed 8 shifts at a time.
+// How jvp_center and hvp_center compute their radial sums (per half edge) and
+// their angular halves (per triple): one value at a time, here (CUDA, CPUs
+// without AVX2). The CPU's vectorised policies (aev/second_lanes.h) compute
+// the same formulas several shifts or triples at a time.
 template <typename scalar_t>
 struct ScalarTerms {
   TF_HOST_DEVICE void radial_jvp(const ConstView<scalar_t>& k, scalar_t r, scalar_t fc,
@@ -517,6 +517,16 @@ struct ScalarTerms {
                                  scalar_t& phi1, scalar_t& phi2) const {
     aev_math::radial_phi(k, r, g, phi1, phi2);
   }
+  // The angular halves (jvp_angular_center, hvp_angular_center, below).
+  template <typename Edges>
+  TF_HOST_DEVICE void jvp_angular(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
+                                  const scalar_t* u_edge, const uint8_t* moving, scalar_t* w,
+                                  scalar_t* fcw, scalar_t* row) const;
+  template <typename Edges>
+  TF_HOST_DEVICE void hvp_angular(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
+                                  const scalar_t* grow, const scalar_t* u_edge,
+                                  const uint8_t* moving, scalar_t* w, scalar_t* fcw,
+                                  scalar_t* out_edge) const;
 };
 
 // row += J_i u: the directional derivative of centre i's AEV row along the
@@ -526,7 +536,7 @@ struct ScalarTerms {
 template <typename scalar_t, typename Edges, typename Terms = ScalarTerms<scalar_t>>
 TF_HOST_DEVICE void jvp_radial_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
                                       const scalar_t* u_edge, const uint8_t* moving,
-                                      scalar_t* row, Terms terms = Terms()) {
+                                      scalar_t* row, const Terms& terms = Terms()) {
   for (int64_t e = h.begin(i); e < h.end(i); ++e) {
     if (!moving[e]) continue;
     const Neighbor<scalar_t> n = h.neighbor(e);
@@ -583,13 +593,23 @@ TF_HOST_DEVICE void jvp_angular_center(const ConstView<scalar_t>& k, const Edges
   }
 }
 
-template <typename scalar_t, typename Edges>
+template <typename scalar_t>
+template <typename Edges>
+TF_HOST_DEVICE void ScalarTerms<scalar_t>::jvp_angular(const ConstView<scalar_t>& k,
+                                                       const Edges& h, int64_t i,
+                                                       const scalar_t* u_edge,
+                                                       const uint8_t* moving, scalar_t* w,
+                                                       scalar_t* fcw, scalar_t* row) const {
+  jvp_angular_center(k, h, i, u_edge, moving, w, fcw, row);
+}
+
+template <typename scalar_t, typename Edges, typename Terms = ScalarTerms<scalar_t>>
 TF_HOST_DEVICE void jvp_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
                                const scalar_t* u_edge, const uint8_t* moving, scalar_t* w,
-                               scalar_t* fcw, scalar_t* row) {
+                               scalar_t* fcw, scalar_t* row, const Terms& terms = Terms()) {
   if (!any_moving(h, i, moving)) return;
-  jvp_radial_center(k, h, i, u_edge, moving, row);
-  jvp_angular_center(k, h, i, u_edge, moving, w, fcw, row);
+  jvp_radial_center(k, h, i, u_edge, moving, row, terms);
+  terms.jvp_angular(k, h, i, u_edge, moving, w, fcw, row);
 }
 
 // out_edge += (sum_f g_if Hess(aev_if)) u for the half edges of centre i (the
@@ -600,7 +620,7 @@ template <typename scalar_t, typename Edges, typename Terms = ScalarTerms<scalar
 TF_HOST_DEVICE void hvp_radial_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
                                       const scalar_t* grow, const scalar_t* u_edge,
                                       const uint8_t* moving, scalar_t* out_edge,
-                                      Terms terms = Terms()) {
+                                      const Terms& terms = Terms()) {
   for (int64_t e = h.begin(i); e < h.end(i); ++e) {
     if (!moving[e]) continue;
     const Neighbor<scalar_t> n = h.neighbor(e);
@@ -657,14 +677,25 @@ TF_HOST_DEVICE void hvp_angular_center(const ConstView<scalar_t>& k, const Edges
   }
 }
 
-template <typename scalar_t, typename Edges>
+template <typename scalar_t>
+template <typename Edges>
+TF_HOST_DEVICE void ScalarTerms<scalar_t>::hvp_angular(const ConstView<scalar_t>& k,
+                                                       const Edges& h, int64_t i,
+                                                       const scalar_t* grow,
+                                                       const scalar_t* u_edge,
+                                                       const uint8_t* moving, scalar_t* w,
+                                                       scalar_t* fcw, scalar_t* out_edge) const {
+  hvp_angular_center(k, h, i, grow, u_edge, moving, w, fcw, out_edge);
+}
+
+template <typename scalar_t, typename Edges, typename Terms = ScalarTerms<scalar_t>>
 TF_HOST_DEVICE void hvp_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
                                const scalar_t* grow, const scalar_t* u_edge,
                                const uint8_t* moving, scalar_t* w, scalar_t* fcw,
-                               scalar_t* out_edge) {
+                               scalar_t* out_edge, const Terms& terms = Terms()) {
   if (!any_moving(h, i, moving)) return;
-  hvp_radial_center(k, h, i, grow, u_edge, moving, out_edge);
-  hvp_angular_center(k, h, i, grow, u_edge, moving, w, fcw, out_edge);
+  hvp_radial_center(k, h, i, grow, u_edge, moving, out_edge, terms);
+  terms.hvp_angular(k, h, i, grow, u_edge, moving, w, fcw, out_edge);
 }
 
 // Slots of the atoms centre i depends on: slot 0 is the centre itself, then its

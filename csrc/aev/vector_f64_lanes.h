@@ -4,8 +4,9 @@
 // namespace also names its target attributes (TF_F64_FN / TF_F64_INLINE are
 // defined to them just before the body is included).
 #pragma once
-// (Included by aev/vector_f64_cpu.cpp only, inside its TF_SIMD_AVX2 block and
-// anonymous namespace.)
+// (Included by aev/vector_f64_cpu.cpp and aev/second_cpu.cpp (whose
+// second-derivative lanes add zero, hsum and gather), each time inside its
+// TF_SIMD_AVX2 block and anonymous namespace.)
 
 namespace x4 {
 using vd = __m256d;  // a vector of doubles

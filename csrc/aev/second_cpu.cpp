@@ -71,10 +71,6 @@ TF_AVX2_INLINE vd div(vd a, vd b) { return _mm256_div_ps(a, b); }
 TF_AVX2_INLINE vd fma(vd a, vd b, vd c) { return _mm256_fmadd_ps(a, b, c); }    // a b + c
 TF_AVX2_INLINE vd fnma(vd a, vd b, vd c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
 TF_AVX2_INLINE vd fms(vd a, vd b, vd c) { return _mm256_fmsub_ps(a, b, c); }    // a b - c
-}  // namespace f32x8
-
-// The operations the lane kernels need besides the AEV's.
-namespace f32x8 {
 TF_AVX2_INLINE vd zero() { return _mm256_setzero_ps(); }
 TF_AVX2_INLINE float hsum(vd v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -87,6 +83,8 @@ TF_AVX2_INLINE vd gather(const float* base, const int32_t* offsets, int32_t extr
   return _mm256_i32gather_ps(base, at, 4);
 }
 }  // namespace f32x8
+
+// What the lane kernels need of the float64 widths besides the AEV's operations.
 namespace x4 {
 using S = double;
 TF_AVX2_INLINE vd zero() { return _mm256_setzero_pd(); }

@@ -49,22 +49,18 @@ struct Group {
   // 2iuz batch's 1472 x 1008 AEV is not copied whole first), otherwise (a
   // recording for third derivatives, another device) by two index_selects.
   at::Tensor gather(const at::Tensor& t) const {
-    if (t.is_cpu() && !at::GradMode::is_enabled() && t.dim() == 2) return gather_cpu(t);
+    if (t.is_cpu() && atoms.is_cpu() && !at::GradMode::is_enabled() && t.dim() == 2)
+      return gather_cpu(t);
     const at::Tensor rows = t.index_select(0, atoms);
     return all_columns ? rows : rows.index_select(1, cols);
   }
+  // (atoms and columns checked by ensemble_train: check_rows_and_columns.)
   at::Tensor gather_cpu(const at::Tensor& t) const {
     const at::Tensor src = t.contiguous(), a = atoms.contiguous(), c = cols.contiguous();
-    const int64_t n = a.numel(), rows = src.size(0), features = src.size(1);
+    const int64_t n = a.numel(), features = src.size(1);
     const int64_t K = all_columns ? features : c.numel();
     const int64_t* ap = a.data_ptr<int64_t>();
     const int64_t* cp = c.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i)
-      TORCH_CHECK(ap[i] >= 0 && ap[i] < rows, "ensemble_train: atom ", ap[i],
-                  " is not a row of the AEV (", rows, " rows)");
-    for (int64_t j = 0; !all_columns && j < K; ++j)
-      TORCH_CHECK(cp[j] >= 0 && cp[j] < features, "ensemble_train: column ", cp[j],
-                  " is not a column of the AEV (", features, " features)");
     at::Tensor out = at::empty({n, K}, src.options());
     AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "ensemble_train_gather", [&] {
       const scalar_t* in = src.data_ptr<scalar_t>();
@@ -118,9 +114,9 @@ struct Group {
 // The (rows, features) AEV gradient that the groups' scatter_into fill. On the
 // CPU it is not zeroed first: scatter_into writes its groups' rows whole and
 // the rows no group has are zeroed here, one pass over the output instead of
-// two (1-member ch4 force steps ~3% faster); the atoms must then be distinct
-// rows (a row written twice would keep only the last group's columns).
-// Elsewhere zeros.
+// two (1-member ch4 force steps ~3% faster); the atoms are distinct rows
+// (check_rows_and_columns: a row written twice would keep only the last
+// group's columns). Elsewhere zeros.
 at::Tensor scatter_target(const at::TensorOptions& options, int64_t rows, int64_t features,
                           const std::vector<Group>& groups) {
   if (!options.device().is_cpu()) return at::zeros({rows, features}, options);
@@ -129,12 +125,7 @@ at::Tensor scatter_target(const at::TensorOptions& options, int64_t rows, int64_
   for (const Group& g : groups) {
     const at::Tensor a = g.atoms.contiguous();
     const int64_t* ap = a.data_ptr<int64_t>();
-    for (int64_t i = 0; i < a.numel(); ++i) {
-      TORCH_CHECK(ap[i] >= 0 && ap[i] < rows && !covered[ap[i]],
-                  "ensemble_train: atoms must be distinct rows of the AEV (in [0, ", rows,
-                  ")); atom ", ap[i], " is ", ap[i] < 0 || ap[i] >= rows ? "out of range" : "repeated");
-      covered[ap[i]] = 1;
-    }
+    for (int64_t i = 0; i < a.numel(); ++i) covered[ap[i]] = 1;
   }
   AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "ensemble_train_zero_rows", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -142,6 +133,33 @@ at::Tensor scatter_target(const at::TensorOptions& options, int64_t rows, int64_
       if (!covered[r]) std::fill(o + r * features, o + (r + 1) * features, scalar_t(0));
   });
   return out;
+}
+
+// The CPU paths index the AEV with the atoms and columns themselves
+// (Group::gather_cpu, scatter_into, scatter_target), so ensemble_train checks
+// them once: the atoms distinct rows of the AEV, each group's columns columns
+// of it. (Other devices index with ATen ops, which check.)
+void check_rows_and_columns(const at::Tensor& atoms, at::TensorList columns, int64_t rows,
+                            int64_t features) {
+  if (!atoms.is_cpu()) return;
+  const at::Tensor a = atoms.contiguous();
+  const int64_t* ap = a.data_ptr<int64_t>();
+  std::vector<uint8_t> seen(static_cast<size_t>(rows), 0);
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    TORCH_CHECK(ap[i] >= 0 && ap[i] < rows, "ensemble_train: atom ", ap[i],
+                " is not a row of the AEV (", rows, " rows)");
+    TORCH_CHECK(!seen[ap[i]], "ensemble_train: atoms must be distinct rows of the AEV (in [0, ",
+                rows, ")); atom ", ap[i], " is repeated");
+    seen[ap[i]] = 1;
+  }
+  for (const at::Tensor& c : columns) {
+    if (!c.is_cpu()) continue;
+    const at::Tensor cc = c.contiguous();
+    const int64_t* cp = cc.data_ptr<int64_t>();
+    for (int64_t j = 0; j < cc.numel(); ++j)
+      TORCH_CHECK(cp[j] >= 0 && cp[j] < features, "ensemble_train: column ", cp[j],
+                  " is not a column of the AEV (", features, " features)");
+  }
 }
 
 std::vector<Group> make_groups(const at::Tensor& atoms, at::IntArrayRef sizes,
@@ -537,6 +555,7 @@ at::Tensor ensemble_train(const at::Tensor& aev, const at::Tensor& atoms, at::In
               " atoms, but atoms has ", atoms.numel());
   TORCH_CHECK(static_cast<int64_t>(packs.size()) == expected_packs, "ensemble_train: layers ",
               layers, " need ", expected_packs, " packs, got ", packs.size());
+  check_rows_and_columns(atoms, columns, aev.size(0), aev.size(1));
   return TrainFunction::apply(aev, atoms, sizes.vec(), columns.vec(), first, packs, layers.vec(),
                               members, small, activation)[0];
 }

@@ -293,16 +293,14 @@ TF_HOST_DEVICE void distance_terms(const ConstView<scalar_t>& k, scalar_t mean_r
   }
 }
 
-// phi(r) = sum_s g_s 0.25 exp(-eta_s (r - Rs_s)^2) fc(r): first and second derivatives.
+// phi(r) = sum_s g_s 0.25 exp(-eta_s (r - Rs_s)^2) fc(r): first and second
+// derivatives (radial_phi); radial_phi_sums adds the terms of the shifts from
+// `first` on, given the cutoff and its derivatives at r (the lane kernels' tail).
 template <typename scalar_t>
-TF_HOST_DEVICE void radial_phi(const ConstView<scalar_t>& k, scalar_t r, const scalar_t* g,
-                               scalar_t& phi1, scalar_t& phi2) {
-  const scalar_t fc = cutoff_value(k.cut, r, k.rc_r);
-  const scalar_t dfc = cutoff_deriv(k.cut, r, k.rc_r);
-  const scalar_t d2fc = cutoff_deriv2(k.cut, r, k.rc_r);
-  phi1 = 0;
-  phi2 = 0;
-  for (int64_t s = 0; s < k.R; ++s) {
+TF_HOST_DEVICE void radial_phi_sums(const ConstView<scalar_t>& k, scalar_t r, const scalar_t* g,
+                                    scalar_t fc, scalar_t dfc, scalar_t d2fc, int64_t first,
+                                    scalar_t& phi1, scalar_t& phi2) {
+  for (int64_t s = first; s < k.R; ++s) {
     const scalar_t eta = k.eta_r[s];
     const scalar_t x = r - k.shf_r[s];
     const scalar_t e = scalar_t(0.25) * m_exp(-eta * x * x);
@@ -311,6 +309,14 @@ TF_HOST_DEVICE void radial_phi(const ConstView<scalar_t>& k, scalar_t r, const s
     phi1 += g[s] * (de * fc + e * dfc);
     phi2 += g[s] * (d2e * fc + scalar_t(2) * de * dfc + e * d2fc);
   }
+}
+template <typename scalar_t>
+TF_HOST_DEVICE void radial_phi(const ConstView<scalar_t>& k, scalar_t r, const scalar_t* g,
+                               scalar_t& phi1, scalar_t& phi2) {
+  phi1 = 0;
+  phi2 = 0;
+  radial_phi_sums(k, r, g, cutoff_value(k.cut, r, k.rc_r), cutoff_deriv(k.cut, r, k.rc_r),
+                  cutoff_deriv2(k.cut, r, k.rc_r), 0, phi1, phi2);
 }
 
 // First and second derivatives of Psi(q, r1, r2) = sum_az g_az f1_z(0.95 q)
@@ -483,12 +489,13 @@ TF_HOST_DEVICE bool any_moving(const Edges& h, int64_t i, const uint8_t* moving)
   return false;
 }
 
-// o[s] += dr d rad_s / dr for each radial shift s (rad_s = 0.25 exp(-eta_s
-// (r - Rs_s)^2) fc(r), fc and dfc its cutoff and the cutoff's derivative at r).
+// o[s] += dr d rad_s / dr for each radial shift s from `first` on (rad_s = 0.25
+// exp(-eta_s (r - Rs_s)^2) fc(r), fc and dfc its cutoff and the cutoff's
+// derivative at r).
 template <typename scalar_t>
 TF_HOST_DEVICE void radial_jvp(const ConstView<scalar_t>& k, scalar_t r, scalar_t fc, scalar_t dfc,
-                               scalar_t dr, scalar_t* o) {
-  for (int64_t s = 0; s < k.R; ++s) {
+                               scalar_t dr, scalar_t* o, int64_t first = 0) {
+  for (int64_t s = first; s < k.R; ++s) {
     const scalar_t x = r - k.shf_r[s];
     const scalar_t ex = scalar_t(0.25) * m_exp(-k.eta_r[s] * x * x);
     o[s] += dr * ex * (dfc - scalar_t(2) * k.eta_r[s] * x * fc);

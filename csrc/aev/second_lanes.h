@@ -43,10 +43,7 @@ TF_LANE_FN void radial_jvp_lanes(const ConstView<S>& k, S r, S fc, S dfc, S dr, 
     const vd slope = fnma(mul(add(eta, eta), x), vfc, vdfc);
     st(o + s, fma(mul(vdr, ex), slope, ld(o + s)));
   }
-  for (; s < k.R; ++s) {
-    const S x = r - k.shf_r[s];
-    o[s] += dr * (S(0.25) * std::exp(-k.eta_r[s] * x * x)) * (dfc - S(2.0) * k.eta_r[s] * x * fc);
-  }
+  if (s < k.R) aev_math::radial_jvp(k, r, fc, dfc, dr, o, s);  // shifts past the last vector
 }
 
 // aev_math::radial_phi.
@@ -63,24 +60,15 @@ TF_LANE_FN void radial_phi_lanes(const ConstView<S>& k, S r, const S* g, S& phi1
     const vd e = radial_gauss(k, rr, s, eta, x);
     const vd two_eta_x = mul(add(eta, eta), x);
     const vd de = sub(zero(), mul(two_eta_x, e));
-    // d2e = (4 eta^2 x^2 - 2 eta) e
-    const vd d2e = mul(
-        fms(two_eta_x, two_eta_x, add(eta, eta)), e);
+    const vd d2e = mul(fms(two_eta_x, two_eta_x, add(eta, eta)), e);  // (4 eta^2 x^2 - 2 eta) e
     const vd gs = ld(g + s);
     acc1 = fma(gs, fma(de, vfc, mul(e, vdfc)), acc1);
     const vd two_de_dfc = mul(add(de, de), vdfc);
-    acc2 = fma(
-        gs, fma(d2e, vfc, fma(e, vd2fc, two_de_dfc)), acc2);
+    acc2 = fma(gs, fma(d2e, vfc, fma(e, vd2fc, two_de_dfc)), acc2);
   }
   phi1 = hsum(acc1);
   phi2 = hsum(acc2);
-  for (; s < k.R; ++s) {
-    const S eta = k.eta_r[s], x = r - k.shf_r[s];
-    const S e = S(0.25) * std::exp(-eta * x * x), de = -S(2.0) * eta * x * e;
-    const S d2e = (S(4.0) * eta * eta * x * x - S(2.0) * eta) * e;
-    phi1 += g[s] * (de * fc + e * dfc);
-    phi2 += g[s] * (d2e * fc + S(2.0) * de * dfc + e * d2fc);
-  }
+  if (s < k.R) aev_math::radial_phi_sums(k, r, g, fc, dfc, d2fc, s, phi1, phi2);  // the rest
 }
 
 // The parts of kLanes triples that every section's terms use.
@@ -94,7 +82,7 @@ TF_LANE_INLINE SectionParts section_parts(vd c, vd s) {
 
 // aev_math::angle_terms of section z for kLanes triples: f1, df1 and (second) d2f1.
 TF_LANE_INLINE void section_terms(const ConstView<S>& k, int64_t z, const SectionParts& t,
-                                   bool second, vd& f1, vd& df1, vd& d2f1) {
+                                 bool second, vd& f1, vd& df1, vd& d2f1) {
   const vd one = bc(S(1.0)), half = bc(S(0.5));
   const S zeta = k.zeta[z];
   const vd cos_z = bc(k.cos_z[z]), sin_z = bc(k.sin_z[z]);
@@ -103,31 +91,28 @@ TF_LANE_INLINE void section_terms(const ConstView<S>& k, int64_t z, const Sectio
   const vd ln = simd::log(base);
   const vd d1 = fnma(t.c_over_s, sin_z, cos_z);
   const bool from_pw2 = second && zeta >= S(2.0);
-  const vd pw2 = second ? simd::exp(mul(bc(zeta - S(2.0)), ln))
-                            : zero();
-  const vd pw1 = from_pw2 ? mul(pw2, base)
-                              : simd::exp(mul(bc(zeta - S(1.0)), ln));
+  const vd pw2 = second ? simd::exp(mul(bc(zeta - S(2.0)), ln)) : zero();
+  const vd pw1 = from_pw2 ? mul(pw2, base) : simd::exp(mul(bc(zeta - S(1.0)), ln));
   const vd zeta_pw1 = mul(bc(zeta), pw1);
   f1 = mul(mul(bc(S(2.0)), pw1), base);
   df1 = mul(zeta_pw1, d1);
   if (second) {
     const vd d2 = sub(zero(), mul(sin_z, t.inv_s3));
-    const vd curv = mul(bc(zeta * (zeta - S(1.0)) / S(2.0)),
-                                      mul(mul(pw2, d1), d1));
+    const vd curv = mul(bc(zeta * (zeta - S(1.0)) / S(2.0)), mul(mul(pw2, d1), d1));
     d2f1 = fma(zeta_pw1, d2, curv);
   }
 }
 
-// aev_math::distance_terms of shift a for kLanes mean distances m: f2, df2 and (second) d2f2.
-TF_LANE_INLINE void shift_terms(const ConstView<S>& k, int64_t a, vd m, bool second,
-                                 vd& f2, vd& df2, vd& d2f2) {
+// aev_math::distance_terms of shift a for kLanes mean distances m: f2, df2 and
+// (second) d2f2.
+TF_LANE_INLINE void shift_terms(const ConstView<S>& k, int64_t a, vd m, bool second, vd& f2,
+                               vd& df2, vd& d2f2) {
   const vd eta = bc(k.eta_a[a]);
   const vd x = sub(m, bc(k.shf_a[a]));
   f2 = simd::exp(mul(mul(sub(zero(), eta), x), x));
   const vd two_eta_x = mul(add(eta, eta), x);
   df2 = sub(zero(), mul(two_eta_x, f2));
-  if (second)
-    d2f2 = mul(fms(two_eta_x, two_eta_x, add(eta, eta)), f2);
+  if (second) d2f2 = mul(fms(two_eta_x, two_eta_x, add(eta, eta)), f2);
 }
 
 // The most angular shifts (A) and sections (Z) of the angular lane kernels.
@@ -166,8 +151,8 @@ TF_LANE_INLINE Geometry geometry(const S (&in)[kTripleFields][kLanes]) {
   return g;
 }
 
-// aev_math::jvp_triple of kLanes triples: out[kLanes (a Z + z) + lane], the directional
-// derivative of each triple's angular block along its u.
+// aev_math::jvp_triple of kLanes triples: out[kLanes (a Z + z) + lane], the
+// directional derivative of each triple's angular block along its u.
 TF_LANE_FN void jvp_lanes(const ConstView<S>& k, const S (&in)[kTripleFields][kLanes], S* out) {
   const int64_t Z = k.Z, A = k.A;
   const Geometry g = geometry(in);
@@ -176,11 +161,9 @@ TF_LANE_FN void jvp_lanes(const ConstView<S>& k, const S (&in)[kTripleFields][kL
   const vd fc1 = ld(in[kFc1]), fc2 = ld(in[kFc2]);
   const vd fcc = mul(fc1, fc2);
   const vd dfc1 = ld(in[kDfc1]), dfc2 = ld(in[kDfc2]);
-  const vd dfcc = fma(mul(fc1, dfc2), dr2,
-                                      mul(mul(dfc1, fc2), dr1));
+  const vd dfcc = fma(mul(fc1, dfc2), dr2, mul(mul(dfc1, fc2), dr1));
   const vd cq = mul(mul(bc(S(0.95)), dq), fcc);
-  const vd cm =
-      mul(mul(bc(S(0.5)), add(dr1, dr2)), fcc);
+  const vd cm = mul(mul(bc(S(0.5)), add(dr1, dr2)), fcc);
   const SectionParts t = section_parts(ld(in[kC]), ld(in[kS]));
   vd f1[kMaxAngular], df1[kMaxAngular], unused;
   for (int64_t z = 0; z < Z; ++z) section_terms(k, z, t, /*second=*/false, f1[z], df1[z], unused);
@@ -191,13 +174,13 @@ TF_LANE_FN void jvp_lanes(const ConstView<S>& k, const S (&in)[kTripleFields][kL
     const vd pa = mul(cq, f2);
     const vd qa = fma(dfcc, f2, mul(cm, df2));
     for (int64_t z = 0; z < Z; ++z)
-      st(out + kLanes * (a * Z + z),
-                       fma(qa, f1[z], mul(pa, df1[z])));
+      st(out + kLanes * (a * Z + z), fma(qa, f1[z], mul(pa, df1[z])));
   }
 }
 
-// The angular Hessian-vector product of kLanes triples (hvp_angular_lanes' lanes):
-// out[0..3) the gradient of the first half edge of each, out[3..6) the second's.
+// The angular Hessian-vector product of kLanes triples (hvp_angular_lanes'
+// lanes): out[0..3) the gradient of the first half edge of each, out[3..6) the
+// second's.
 TF_LANE_FN void hvp_lanes(const ConstView<S>& k, const S* grow,
                           const S (&in)[kTripleFields][kLanes], const int32_t (&goff)[kLanes],
                           S (&out)[6][kLanes]) {
@@ -241,25 +224,19 @@ TF_LANE_FN void hvp_lanes(const ConstView<S>& k, const S* grow,
   const vd p_qq = mul(mul(mul(k95, k95), C), s20);
   const vd p_q1 = mul(k95, fma(d1c, s10, half_C_s11));
   const vd p_q2 = mul(k95, fma(d2c, s10, half_C_s11));
-  const vd p_r11 = fma(mul(ld(in[kD2fc1]), fc2), s00,
-                                       fma(d1c, s01, quarter_C_s02));
-  const vd p_r22 = fma(mul(fc1, ld(in[kD2fc2])), s00,
-                                       fma(d2c, s01, quarter_C_s02));
-  const vd p_r12 = fma(mul(dfc1, dfc2), s00,
-                                       fma(mul(half, add(d1c, d2c)),
-                                                       s01, quarter_C_s02));
+  const vd p_r11 = fma(mul(ld(in[kD2fc1]), fc2), s00, fma(d1c, s01, quarter_C_s02));
+  const vd p_r22 = fma(mul(fc1, ld(in[kD2fc2])), s00, fma(d2c, s01, quarter_C_s02));
+  const vd p_r12 =
+      fma(mul(dfc1, dfc2), s00, fma(mul(half, add(d1c, d2c)), s01, quarter_C_s02));
   // aev_math::triple_grad and triple_hvp (not clamped).
   const Geometry geo = geometry(in);
-  const vd inv1 = ld(in[kInv1]), inv2 = ld(in[kInv2]);
-  const vd q = ld(in[kQ]);
+  const vd inv1 = ld(in[kInv1]), inv2 = ld(in[kInv2]), q = ld(in[kQ]);
   const auto &h1 = geo.h1, &h2 = geo.h2, &gq1 = geo.gq1, &gq2 = geo.gq2, &u1 = geo.u1, &u2 = geo.u2;
   const vd dq = add(dot3(gq1, u1), dot3(gq2, u2));
   const vd a1 = dot3(h1, u1), b1 = dot3(h2, u1), a2 = dot3(h1, u2), b2 = dot3(h2, u2);
   const vd c_q = fma(p_q2, b2, fma(p_q1, a1, mul(p_qq, dq)));
-  const vd c_1 =
-      fma(p_r12, b2, fma(p_r11, a1, mul(p_q1, dq)));
-  const vd c_2 =
-      fma(p_r22, b2, fma(p_r12, a1, mul(p_q2, dq)));
+  const vd c_1 = fma(p_r12, b2, fma(p_r11, a1, mul(p_q1, dq)));
+  const vd c_2 = fma(p_r22, b2, fma(p_r12, a1, mul(p_q2, dq)));
   const vd i11 = mul(inv1, inv1), i22 = mul(inv2, inv2);
   const vd i12 = mul(inv1, inv2), three_q = mul(bc(S(3.0)), q);
   const vd qa1 = mul(q, a1), qb2 = mul(q, b2);
@@ -267,23 +244,17 @@ TF_LANE_FN void hvp_lanes(const ConstView<S>& k, const S* grow,
   for (int c = 0; c < 3; ++c) {
     const vd x1 = h1[c], x2 = h2[c];
     // hq1 = (-a1 x2 - b1 x1 + 3 q a1 x1 - q u1) i11 + (u2 - b2 x2 - a2 x1 + q b2 x1) i12
-    const vd p11 = fnma(
-        q, u1[c], fms(qa1_3, x1, fma(a1, x2, mul(b1, x1))));
-    const vd p12 = fma(
-        qb2, x1, sub(u2[c], fma(b2, x2, mul(a2, x1))));
+    const vd p11 = fnma(q, u1[c], fms(qa1_3, x1, fma(a1, x2, mul(b1, x1))));
+    const vd p12 = fma(qb2, x1, sub(u2[c], fma(b2, x2, mul(a2, x1))));
     const vd hq1 = fma(p11, i11, mul(p12, i12));
     // hq2 = (u1 - b1 x2 - a1 x1 + q a1 x2) i12 + (-b2 x1 - a2 x2 + 3 q b2 x2 - q u2) i22
-    const vd p21 = fma(
-        qa1, x2, sub(u1[c], fma(b1, x2, mul(a1, x1))));
-    const vd p22 = fnma(
-        q, u2[c], fms(qb2_3, x2, fma(b2, x1, mul(a2, x2))));
+    const vd p21 = fma(qa1, x2, sub(u1[c], fma(b1, x2, mul(a1, x1))));
+    const vd p22 = fnma(q, u2[c], fms(qb2_3, x2, fma(b2, x1, mul(a2, x2))));
     const vd hq2 = fma(p21, i12, mul(p22, i22));
     const vd hr1 = mul(fnma(a1, x1, u1[c]), inv1);
     const vd hr2 = mul(fnma(b2, x2, u2[c]), inv2);
-    const vd o1 = fma(p_r1, hr1, fma(p_q, hq1, fma(
-                                                         c_1, x1, mul(c_q, gq1[c]))));
-    const vd o2 = fma(p_r2, hr2, fma(p_q, hq2, fma(
-                                                         c_2, x2, mul(c_q, gq2[c]))));
+    const vd o1 = fma(p_r1, hr1, fma(p_q, hq1, fma(c_1, x1, mul(c_q, gq1[c]))));
+    const vd o2 = fma(p_r2, hr2, fma(p_q, hq2, fma(c_2, x2, mul(c_q, gq2[c]))));
     st(out[c], o1);
     st(out[3 + c], o2);
   }
@@ -293,9 +264,9 @@ TF_LANE_FN void hvp_lanes(const ConstView<S>& k, const S* grow,
 // n of them used.
 struct TripleLanes {
   alignas(64) S in[kTripleFields][kLanes];
-  alignas(64) int32_t goff[kLanes];  // the triple's angular block in the AEV row
+  alignas(64) int32_t goff[kLanes];       // the triple's angular block in the AEV row
   int64_t first[kLanes], second[kLanes];  // its neighbours in TermScratch::neighbors
-  bool clamped[kLanes];              // r1 r2 < 1e-10: the scalar functions' triple
+  bool clamped[kLanes];                   // r1 r2 < 1e-10: the scalar functions' triple
   int64_t n = 0;
 
   // The unused lanes made benign (unit vectors, no cutoff), for run(lanes).

@@ -128,29 +128,27 @@ void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, c
                    const uint64_t* chunks, T* deriv, int64_t next_m) {
   const int64_t din = net.dims[l], dout = net.dims[l + 1];
   const T* bias = net.bias[l] + m * dout;
-  if constexpr (std::is_same_v<T, float>) {
-    const int64_t panels = static_cast<int64_t>(net.panel_fwd.size());
-    if (l < panels) {
-      const float* next = nullptr;
-      int64_t next_floats = 0;
-      if (l + 1 < panels) {
-        next = net.panel_fwd[l + 1] + m * dout * net.dims[l + 2];
-        next_floats = std::min<int64_t>(64, net.dims[l + 2]) * dout;
-      } else if (next_m >= 0) {
-        next = net.panel_fwd[0] + next_m * net.dims[0] * net.dims[1];
-        next_floats = std::min<int64_t>(64, net.dims[1]) * net.dims[0];
-      }
+  const int64_t panels = static_cast<int64_t>(net.panel_fwd.size());
+  if (l < panels) {
+    const T* next = nullptr;
+    int64_t next_values = 0;
+    if (l + 1 < panels) {
+      next = net.panel_fwd[l + 1] + m * dout * net.dims[l + 2];
+      next_values = std::min<int64_t>(64, net.dims[l + 2]) * dout;
+    } else if (next_m >= 0) {
+      next = net.panel_fwd[0] + next_m * net.dims[0] * net.dims[1];
+      next_values = std::min<int64_t>(64, net.dims[1]) * net.dims[0];
+    }
+    if constexpr (std::is_same_v<T, float>) {
       small_gemm::panel_gemm(rows, dout, din, h, din, net.panel_fwd[l] + m * din * dout, bias,
                              false, nullptr, 0, out, dout, chunks, nullptr, deriv, next,
-                             next_floats, net.act);
-      return;
-    }
-  } else {
-    if (l < static_cast<int64_t>(net.panel_fwd.size())) {
+                             next_values, net.act);
+    } else {
       small_gemm::panel_gemm_f64(rows, dout, din, h, din, net.panel_fwd[l] + m * din * dout, bias,
-                                 false, nullptr, 0, out, dout, chunks, nullptr, deriv, net.act);
-      return;
+                                 false, nullptr, 0, out, dout, chunks, nullptr, deriv, next,
+                                 next_values, net.act);
     }
+    return;
   }
   small_gemm::gemm_bias<T>(rows, dout, din, h, din, net.weight[l] + m * net.stride[l], net.ld[l],
                            bias, out, dout);

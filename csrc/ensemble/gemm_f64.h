@@ -143,10 +143,12 @@ TF_AVX2 inline void panel_gemm_f64_avx2(int64_t m, int64_t n, int64_t k, const d
 // each line of W 6.
 // ---------------------------------------------------------------------------
 
-template <int R, int P>
+template <int R, int P, bool Stream>
 TF_AVX512_INLINE void panel_steps512_f64(__m512d (&acc)[R][2 * P], const double* a, int64_t lda,
-                                         const double* const (&w)[P], int64_t p0, int64_t p1) {
+                                         const double* const (&w)[P], int64_t p0, int64_t p1,
+                                         const char* stream) {
   for (int64_t p = p0; p < p1; ++p) {
+    if (Stream) _mm_prefetch(stream + 64 * p, _MM_HINT_T1);
     __m512d wv[2 * P];
     for (int q = 0; q < P; ++q) {
       _mm_prefetch(reinterpret_cast<const char*>(w[q] + 16 * (p + 8)), _MM_HINT_T0);
@@ -167,7 +169,8 @@ template <int R, int P>
 TF_AVX512 void panel_tile512_f64(const double* a, int64_t lda, const double* w, int64_t k,
                                  uint64_t chunks, const double* bias, bool accumulate,
                                  const double* d, int64_t ldd, double* c, int64_t ldc,
-                                 double* act_d, const int64_t* cols, int64_t act) {
+                                 double* act_d, const int64_t* cols, const char* stream,
+                                 int64_t act) {
   const double* wq[P];
   __m512d acc[R][2 * P];
   for (int q = 0; q < P; ++q) {
@@ -182,7 +185,12 @@ TF_AVX512 void panel_tile512_f64(const double* a, int64_t lda, const double* w, 
     }
   }
   ChunkRuns runs(chunks, k);
-  for (int64_t p0, p1; runs.next(p0, p1);) panel_steps512_f64<R, P>(acc, a, lda, wq, p0, p1);
+  for (int64_t p0, p1; runs.next(p0, p1);) {
+    if (stream != nullptr)
+      panel_steps512_f64<R, P, true>(acc, a, lda, wq, p0, p1, stream);
+    else
+      panel_steps512_f64<R, P, false>(acc, a, lda, wq, p0, p1, nullptr);
+  }
   for (int r = 0; r < R; ++r) {
     for (int q = 0; q < P; ++q) {
       for (int h = 0; h < 2; ++h) {
@@ -206,11 +214,12 @@ template <int R>
 TF_AVX512 void panel_tile512_f64(int panels, const double* a, int64_t lda, const double* w,
                                  int64_t k, uint64_t chunks, const double* bias, bool accumulate,
                                  const double* d, int64_t ldd, double* c, int64_t ldc,
-                                 double* act_d, const int64_t* cols, int64_t act) {
+                                 double* act_d, const int64_t* cols, const char* stream,
+                                 int64_t act) {
   if (panels == 2) {
-    panel_tile512_f64<R, 2>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, act_d, cols, act);
+    panel_tile512_f64<R, 2>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, act_d, cols, stream, act);
   } else {
-    panel_tile512_f64<R, 1>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, act_d, cols, act);
+    panel_tile512_f64<R, 1>(a, lda, w, k, chunks, bias, accumulate, d, ldd, c, ldc, act_d, cols, stream, act);
   }
 }
 
@@ -219,10 +228,22 @@ TF_AVX512 inline void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, con
                                             bool accumulate, const double* d, int64_t ldd,
                                             double* c, int64_t ldc, const uint64_t* a_chunks,
                                             const uint64_t* c_chunks, double* act_d,
+                                            const double* next, int64_t next_doubles,
                                             int64_t act) {
   for (int64_t j0 = 0; j0 < n; j0 += 32) {
     const int64_t group_end = std::min<int64_t>(n, j0 + 32);
+    // As in gemm_panels.h: the group's tiles prefetch into L2, one line per
+    // step of k, the next group's panels, or after the last group `next`.
+    const char* stream = reinterpret_cast<const char*>(group_end < n ? w + group_end * k : next);
+    int64_t stream_left = group_end < n ? std::min<int64_t>(32, n - group_end) * k * 8
+                          : next != nullptr ? next_doubles * 8 : 0;
     for (int64_t r = 0; r < m; r += 6) {
+      const char* tile_stream = nullptr;
+      if (stream_left > 0) {
+        tile_stream = stream;
+        stream += 64 * k;
+        stream_left -= 64 * k;
+      }
       const int64_t rows = std::min<int64_t>(6, m - r);
       double* cr = c + r * ldc;
       const uint64_t wanted = c_chunks != nullptr ? chunks_of(c_chunks + r, rows) : kAllChunks;
@@ -241,12 +262,12 @@ TF_AVX512 inline void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, con
       const double* dr = d ? d + r * ldd : nullptr;
       double* er = act_d ? act_d + r * ldc : nullptr;
       switch (rows) {
-        case 6: panel_tile512_f64<6>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
-        case 5: panel_tile512_f64<5>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
-        case 4: panel_tile512_f64<4>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
-        case 3: panel_tile512_f64<3>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
-        case 2: panel_tile512_f64<2>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
-        default: panel_tile512_f64<1>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, act); break;
+        case 6: panel_tile512_f64<6>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        case 5: panel_tile512_f64<5>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        case 4: panel_tile512_f64<4>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        case 3: panel_tile512_f64<3>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        case 2: panel_tile512_f64<2>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        default: panel_tile512_f64<1>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
       }
     }
   }
@@ -307,7 +328,8 @@ TF_AVX512 inline void panel_nt_f64_avx512(int64_t m, int64_t k, int64_t n, const
         for (int64_t r = 0; r < rows; ++r) shifted[r] = c_chunks[r0 + r] >> (i0 / 16);
       panel_gemm_f64_avx512(rows, 16, n, g + r0 * ldg, ldg, slab, nullptr, accumulate,
                             d != nullptr ? d + r0 * ldd + i0 : nullptr, ldd, c + r0 * ldc + i0, ldc,
-                            nullptr, c_chunks != nullptr ? shifted : nullptr, nullptr, kCelu01);
+                            nullptr, c_chunks != nullptr ? shifted : nullptr, nullptr, nullptr, 0,
+                            kCelu01);
     }
   }
 }
@@ -327,17 +349,20 @@ TF_AVX2 inline int64_t celu_f64_avx2(double* z, double* d, int64_t count) {
 
 // C (m x n) = epilogue(A W) as gemm.h's panel_gemm, float64, W as (k, 16)
 // panels; n % 16 == 0; needs panels_supported(). act_d: C = act(A W + bias)
-// with the derivative into act_d (not with c_chunks).
+// with the derivative into act_d (not with c_chunks). next: next_doubles
+// doubles read after this product, prefetched into L2 while its last group of
+// panels runs (AVX-512; a hint, results do not depend on it).
 inline void panel_gemm_f64(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
                            const double* w, const double* bias, bool accumulate, const double* d,
                            int64_t ldd, double* c, int64_t ldc, const uint64_t* a_chunks = nullptr,
                            const uint64_t* c_chunks = nullptr, double* act_d = nullptr,
+                           const double* next = nullptr, int64_t next_doubles = 0,
                            int64_t act = kCelu01) {
   TORCH_CHECK(act_d == nullptr || c_chunks == nullptr, "panel_gemm_f64: act_d with c_chunks");
 #ifdef TF_SIMD_AVX2
   if (simd::have_avx512()) {
     panel_gemm_f64_avx512(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,
-                          act_d, act);
+                          act_d, next, next_doubles, act);
     return;
   }
   panel_gemm_f64_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,

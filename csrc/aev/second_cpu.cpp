@@ -57,6 +57,8 @@ using aev_math::Triple;
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "aev/vector_f64_lanes.h"  // x4, x8: the float64 lane operations
 
+// float32 on 8 lanes: vector_f64_lanes.h's operations that second_lanes.h
+// uses, for floats.
 namespace f32x8 {
 using vd = __m256;
 using S = float;
@@ -84,52 +86,24 @@ TF_AVX2_INLINE vd gather(const float* base, const int32_t* offsets, int32_t extr
 }
 }  // namespace f32x8
 
-// What the lane kernels need of the float64 widths besides the AEV's operations.
-namespace x4 {
-using S = double;
-TF_AVX2_INLINE vd zero() { return _mm256_setzero_pd(); }
-TF_AVX2_INLINE double hsum(vd v) {
-  const __m128d x = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-  return _mm_cvtsd_f64(_mm_add_sd(x, _mm_unpackhi_pd(x, x)));
-}
-TF_AVX2_INLINE vd gather(const double* base, const int32_t* offsets, int32_t extra) {
-  const __m128i at = _mm_add_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets)),
-                                   _mm_set1_epi32(extra));
-  return _mm256_i32gather_pd(base, at, 8);
-}
-}  // namespace x4
-namespace x8 {
-using S = double;
-TF_AVX512_INLINE vd zero() { return _mm512_setzero_pd(); }
-TF_AVX512_INLINE double hsum(vd v) { return _mm512_reduce_add_pd(v); }
-TF_AVX512_INLINE vd gather(const double* base, const int32_t* offsets, int32_t extra) {
-  const __m256i at = _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets)),
-                                      _mm256_set1_epi32(extra));
-  return _mm512_i32gather_pd(at, base, 8);
-}
-}  // namespace x8
-
-namespace f32x8 {
+// Each width's kernels, in the namespace of its operations, with its targets.
 #define TF_LANE_FN TF_AVX2
 #define TF_LANE_INLINE TF_AVX2_INLINE
+namespace f32x8 {
 #include "aev/second_lanes.h"
-#undef TF_LANE_FN
-#undef TF_LANE_INLINE
 }  // namespace f32x8
 namespace x4 {
-#define TF_LANE_FN TF_AVX2
-#define TF_LANE_INLINE TF_AVX2_INLINE
 #include "aev/second_lanes.h"
+}  // namespace x4
 #undef TF_LANE_FN
 #undef TF_LANE_INLINE
-}  // namespace x4
-namespace x8 {
 #define TF_LANE_FN TF_AVX512
 #define TF_LANE_INLINE TF_AVX512_INLINE
+namespace x8 {
 #include "aev/second_lanes.h"
+}  // namespace x8
 #undef TF_LANE_FN
 #undef TF_LANE_INLINE
-}  // namespace x8
 #pragma GCC diagnostic pop
 
 // Runs fn(terms) with the vectorised Terms policy of scalar_t on this CPU,

@@ -622,7 +622,7 @@ TF_HOST_DEVICE void jvp_center(const ConstView<scalar_t>& k, const Edges& h, int
 // out_edge += (sum_f g_if Hess(aev_if)) u for the half edges of centre i (the
 // gradient with respect to each half-edge vector). grow: centre i's grad_aev row.
 // In two halves: the radial terms (per half edge) and the angular terms (per
-// triple), which the float32 CPU path replaces with its own (aev/second_cpu.cpp).
+// triple), which the CPU's vectorised Terms replace (aev/second_lanes.h).
 template <typename scalar_t, typename Edges, typename Terms = ScalarTerms<scalar_t>>
 TF_HOST_DEVICE void hvp_radial_center(const ConstView<scalar_t>& k, const Edges& h, int64_t i,
                                       const scalar_t* grow, const scalar_t* u_edge,

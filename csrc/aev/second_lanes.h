@@ -209,7 +209,7 @@ TF_LANE_FN void hvp_lanes(const ConstView<S>& k, const S* grow,
     s11 = fma(df1, t1, s11);
     s20 = fma(d2f1, t0, s20);
   }
-  // aev_math::psi_contract's chain rule.
+  // aev_math::psi_contract's derivatives of Psi from the sums.
   const vd fc1 = ld(in[kFc1]), fc2 = ld(in[kFc2]);
   const vd dfc1 = ld(in[kDfc1]), dfc2 = ld(in[kDfc2]);
   const vd C = mul(fc1, fc2), k95 = bc(S(0.95));

@@ -4,11 +4,12 @@
 // namespace also names its target attributes (TF_F64_FN / TF_F64_INLINE are
 // defined to them just before the body is included).
 #pragma once
-// (Included by aev/vector_f64_cpu.cpp and aev/second_cpu.cpp (whose
-// second-derivative lanes add zero, hsum and gather), each time inside its
-// TF_SIMD_AVX2 block and anonymous namespace.)
+// (Included by aev/vector_f64_cpu.cpp and aev/second_cpu.cpp, each time inside
+// its TF_SIMD_AVX2 block and anonymous namespace; zero, hsum and gather serve
+// the second derivatives' lanes, aev/second_lanes.h.)
 
 namespace x4 {
+using S = double;
 using vd = __m256d;  // a vector of doubles
 using md = __m256d;  // a lane mask
 constexpr int64_t kLanes = 4;
@@ -38,9 +39,21 @@ TF_AVX2_INLINE md first(int64_t n) {
 }
 // acc += a b on 4 lanes (the order of the sums: aev/vector_f64_common.h).
 TF_AVX2_INLINE void acc4(__m256d& acc, vd a, vd b) { acc = _mm256_fmadd_pd(a, b, acc); }
+TF_AVX2_INLINE vd zero() { return _mm256_setzero_pd(); }
+TF_AVX2_INLINE double hsum(vd v) {
+  const __m128d x = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(x, _mm_unpackhi_pd(x, x)));
+}
+// base[offsets[j] + extra] in lane j.
+TF_AVX2_INLINE vd gather(const double* base, const int32_t* offsets, int32_t extra) {
+  const __m128i at = _mm_add_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets)),
+                                   _mm_set1_epi32(extra));
+  return _mm256_i32gather_pd(base, at, 8);
+}
 }  // namespace x4
 
 namespace x8 {
+using S = double;
 using vd = __m512d;
 using md = __mmask8;
 constexpr int64_t kLanes = 8;
@@ -71,5 +84,12 @@ TF_AVX512_INLINE md first(int64_t n) {
 TF_AVX512_INLINE void acc4(__m256d& acc, vd a, vd b) {
   acc = _mm256_fmadd_pd(_mm512_castpd512_pd256(a), _mm512_castpd512_pd256(b), acc);
   acc = _mm256_fmadd_pd(_mm512_extractf64x4_pd(a, 1), _mm512_extractf64x4_pd(b, 1), acc);
+}
+TF_AVX512_INLINE vd zero() { return _mm512_setzero_pd(); }
+TF_AVX512_INLINE double hsum(vd v) { return _mm512_reduce_add_pd(v); }
+TF_AVX512_INLINE vd gather(const double* base, const int32_t* offsets, int32_t extra) {
+  const __m256i at = _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets)),
+                                      _mm256_set1_epi32(extra));
+  return _mm512_i32gather_pd(at, base, 8);
 }
 }  // namespace x8

@@ -158,13 +158,111 @@ def test_backward_from_w_same_bits_as_stored_wt(zero_chunks):
 
 
 def test_panels_of_another_dtype_are_refused():
+    # float64 AEVs take float64 panels, or float32 ones (widened: the next
+    # tests); nothing else, and float32 AEVs take float32 panels only.
     members = 2
-    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float64, members, [32, 16], [16], [3])
-    panels = [p.float() for p in panels_of(first, packs, layers, members)]
     if torchani_fast.cpu_isa() == "none":
         pytest.skip("panels are not read without AVX2")
-    with pytest.raises(RuntimeError, match=r"panels\[0\], panels\[1\] must be of the AEV's dtype \(Double\)"):
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float64, members, [32, 16], [16], [3])
+    panels = [p.half() for p in panels_of(first, packs, layers, members)]
+    with pytest.raises(RuntimeError, match=r"panels\[0\], panels\[1\] must be of the AEV's dtype \(Double; "
+                                           r"float32 also for a float64 AEV\).*got Half"):
         op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True)
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float32, members, [32, 16], [16], [3])
+    panels = [p.double() for p in panels_of(first, packs, layers, members)]
+    with pytest.raises(RuntimeError, match=r"must be of the AEV's dtype \(Float;.*got Double"):
+        op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True)
+
+
+def _float32_valued(tensors):
+    return [t.float().double() if t.is_floating_point() else t for t in tensors]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES) + ["stored-wt"])
+@pytest.mark.parametrize("zero_chunks", [False, True], ids=["dense", "zero-chunks"])
+def test_float32_panels_give_the_same_bits(shape, zero_chunks):
+    # Weights that are float32 values: float32 panels, widened as the kernels
+    # read them (AVX-512: 12 x 16 tiles and the transposes of panel_nt_f64;
+    # AVX2: a buffer per group of 32 columns), give the bits of float64 panels
+    # at every panel level: values and J, with and without the zero chunks
+    # skipped (zero_blocks_exact). "stored-wt": one group of 300 rows, whose
+    # backward multiplies by the stored W^T panels (kStoredMinBlocks).
+    members = 3
+    widths, cols, rows = ([96, 48], [64], [300]) if shape == "stored-wt" else SHAPES[shape]
+    aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(
+        torch.float64, members, widths, cols, rows, features=128)
+    first, packs = _float32_valued(first), _float32_valued(packs)
+    if zero_chunks:  # about a third of each row's 16-column chunks (of its group's columns) zero
+        g = torch.Generator().manual_seed(5)
+        row = 0
+        for n, c in zip(sizes, columns):
+            for a in atoms[row:row + n].tolist():
+                for j in (torch.rand(len(c) // 16, generator=g) < 0.35).nonzero().flatten().tolist():
+                    aev[a, c[16 * j:16 * j + 16]] = 0
+            row += n
+    compared = torch.ones(sum(n * len(c) for n, c in zip(sizes, columns)), dtype=torch.bool)
+    if zero_chunks:
+        parts, row = [], 0
+        for n, c in zip(sizes, columns):
+            x = aev[atoms[row:row + n]][:, c]
+            parts.append((x.view(n, -1, 16) != 0).any(2).repeat_interleave(16, 1).flatten())
+            row += n
+        compared = torch.cat(parts)
+        assert not compared.all()
+    wide = panels_of(first, packs, layers, members)
+    narrow = [p.float() for p in wide]
+    assert all(torch.equal(n.double(), w) for n, w in zip(narrow, wide))
+    levels = _levels()[1:]
+    if not levels:
+        pytest.skip("panels are not read without AVX2")
+    for level in levels:
+        v64, j64 = _at(level, lambda: op(aev, atoms, sizes, columns, first, packs, wide, layers,
+                                         members, True, zero_chunks))
+        v32, j32 = _at(level, lambda: op(aev, atoms, sizes, columns, first, packs, narrow, layers,
+                                         members, True, zero_chunks))
+        assert torch.equal(v64, v32), level
+        # (with zero_chunks, J's entries in a row's zero chunks are 0 or computed,
+        # as a tile's rows decide together: forces multiply them by 0)
+        assert torch.equal(j64[compared], j32[compared]), level
+    # and the panels' values are what the networks compute with: against BLAS
+    v_blas, j_blas = _at("none", lambda: op(aev, atoms, sizes, columns, first, packs, [], layers,
+                                            members, True, zero_chunks))
+    torch.testing.assert_close(v32, v_blas, **TOL)
+
+
+def _panel_dtypes(fast):
+    nn = fast.potentials["nnp"].neural_networks
+    return {p.dtype for plan in nn._native_plans.values() for p in plan.op_args[3]}
+
+
+def test_float32_valued_weights_get_float32_panels(isa):
+    # ANI's weights are float32 values (published in float32; random_model's
+    # too): a float64 model packs float32 panels, with the bits of float64
+    # panels (narrow_panels=False); a weight that is not a float32 value keeps
+    # its layer's panels in float64, still matching TorchANI.
+    ref, fast = model_pair("ANI2x", torch.float64)
+    species, coords = padded_batch(BATCHES["ANI2x"], torch.float64)
+    nn = fast.potentials["nnp"].neural_networks
+    e, f = energy_forces(fast, species, coords)
+    if isa != "none":
+        assert _panel_dtypes(fast) == {torch.float32}
+    nn.narrow_panels = False
+    nn._eager_clear()
+    e64, f64 = energy_forces(fast, species, coords)
+    if isa != "none":
+        assert _panel_dtypes(fast) == {torch.float64}
+    assert torch.equal(e, e64) and torch.equal(f, f64)
+    nn.narrow_panels = True
+    with torch.no_grad():  # in place: the packs are rebuilt on the next call
+        for model in (ref, fast):
+            lin = model.potentials["nnp"].neural_networks[0].atomics["H"][2]
+            lin.weight[0, 0] += 1e-9
+    e_ref, f_ref = energy_forces(ref, species, coords)
+    e, f = energy_forces(fast, species, coords)
+    assert_energies(e, e_ref, torch.float64)
+    assert_forces(f, f_ref, torch.float64)
+    if isa != "none":
+        assert _panel_dtypes(fast) == {torch.float32, torch.float64}
 
 
 def test_same_bits_for_any_number_of_threads():
@@ -229,3 +327,19 @@ def test_torchscript_float64_matches_eager():
     e, f = energy_forces(fast, species, coords)
     e_s, f_s = energy_forces(scripted, species, coords)
     assert torch.equal(e, e_s) and torch.equal(f, f_s)
+
+
+def test_narrowed_only_when_every_value_is_a_float32_value():
+    from torchani_fast.nn.packing import _narrowed
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2, 16, 32, generator=g).double()  # float32 values
+    pair = [w, w.transpose(1, 2).contiguous()]
+    assert [p.dtype for p in _narrowed(pair)] == [torch.float32] * 2
+    assert all(torch.equal(n.double(), p) for n, p in zip(_narrowed(pair), pair))
+    for value in (0.1, 1e-50, 1e300, float("nan")):  # not float32 values (0.1: rounded; the others out of range, NaN)
+        bad = w.clone()
+        bad[1, 3, 5] = value
+        assert _narrowed([bad, bad])[0] is bad
+    f32 = [w.float(), w.float()]
+    assert _narrowed(f32) is f32  # float32 networks: their own panels

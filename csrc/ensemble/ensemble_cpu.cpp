@@ -104,6 +104,10 @@ struct GroupNet {
   // (backward) as 16-column panels (ensemble/gemm.h, gemm_f64.h); member
   // stride d_in * d_out.
   std::vector<const T*> panel_fwd, panel_bwd;
+  // A float64 network's layers whose panels came in float32 (weights that are
+  // float32 values: gemm_f64.h widens them in cache): those panels, and
+  // nullptr in panel_fwd / panel_bwd; nullptr here for the other layers.
+  std::vector<const float*> narrow_fwd, narrow_bwd;
   int64_t layers() const { return static_cast<int64_t>(weight.size()); }
   int64_t in_dim() const { return dims[0]; }
 };
@@ -111,6 +115,18 @@ struct GroupNet {
 struct Task {
   int64_t group, row0, rows, slice;
 };
+
+// Bytes per weight of layer l's panels, and where member m's forward panels start.
+template <typename T>
+int64_t panel_size(const GroupNet<T>& net, int64_t l) {
+  return net.narrow_fwd[l] != nullptr ? sizeof(float) : sizeof(T);
+}
+template <typename T>
+const T* fwd_panels(const GroupNet<T>& net, int64_t l, int64_t m) {
+  const int64_t member = m * net.dims[l] * net.dims[l + 1];
+  return net.narrow_fwd[l] != nullptr ? reinterpret_cast<const T*>(net.narrow_fwd[l] + member)
+                                      : net.panel_fwd[l] + member;
+}
 
 // Layer l of member m: out (rows, d_out) = h W_l + b_l, then, if deriv is
 // given, CELU in place with its derivative into deriv (the panel kernels apply
@@ -130,23 +146,31 @@ void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, c
   const T* bias = net.bias[l] + m * dout;
   const int64_t panels = static_cast<int64_t>(net.panel_fwd.size());
   if (l < panels) {
+    // (A prefetch hint: its bytes, as T values, whatever the panels' dtype.)
     const T* next = nullptr;
     int64_t next_values = 0;
     if (l + 1 < panels) {
-      next = net.panel_fwd[l + 1] + m * dout * net.dims[l + 2];
-      next_values = std::min<int64_t>(64, net.dims[l + 2]) * dout;
+      next = fwd_panels(net, l + 1, m);
+      next_values = std::min<int64_t>(64, net.dims[l + 2]) * dout * panel_size(net, l + 1) / sizeof(T);
     } else if (next_m >= 0) {
-      next = net.panel_fwd[0] + next_m * net.dims[0] * net.dims[1];
-      next_values = std::min<int64_t>(64, net.dims[1]) * net.dims[0];
+      next = fwd_panels(net, 0, next_m);
+      next_values = std::min<int64_t>(64, net.dims[1]) * net.dims[0] * panel_size(net, 0) / sizeof(T);
     }
-    if constexpr (std::is_same_v<T, float>) {
-      small_gemm::panel_gemm(rows, dout, din, h, din, net.panel_fwd[l] + m * din * dout, bias,
-                             false, nullptr, 0, out, dout, chunks, nullptr, deriv, next,
-                             next_values, net.act);
+    auto multiply = [&](auto w_panels) {  // T, or float32 panels of a float64 network
+      if constexpr (std::is_same_v<T, float>) {
+        small_gemm::panel_gemm(rows, dout, din, h, din, w_panels + m * din * dout, bias, false,
+                               nullptr, 0, out, dout, chunks, nullptr, deriv, next, next_values,
+                               net.act);
+      } else {
+        small_gemm::panel_gemm_f64(rows, dout, din, h, din, w_panels + m * din * dout, bias, false,
+                                   nullptr, 0, out, dout, chunks, nullptr, deriv, next,
+                                   next_values, net.act);
+      }
+    };
+    if (net.narrow_fwd[l] != nullptr) {
+      multiply(net.narrow_fwd[l]);
     } else {
-      small_gemm::panel_gemm_f64(rows, dout, din, h, din, net.panel_fwd[l] + m * din * dout, bias,
-                                 false, nullptr, 0, out, dout, chunks, nullptr, deriv, next,
-                                 next_values, net.act);
+      multiply(net.panel_fwd[l]);
     }
     return;
   }
@@ -193,13 +217,21 @@ void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, 
     // version that made W^T for every block of every group ran 1hz5 in
     // 152-158 ms against 102.
     if (l < static_cast<int64_t>(net.panel_bwd.size())) {
-      if (!net.stored_wt && small_gemm::panel_nt_f64_supported(din, dout)) {
-        small_gemm::panel_nt_f64(rows, din, dout, g, dout, net.panel_fwd[l] + m * din * dout,
-                                 accumulate, deriv, din, out, din, chunks);
-        return;
+      const int64_t member = m * din * dout;
+      auto multiply = [&](auto w_panels, auto wt_panels) {  // float64 or float32 panels
+        if (!net.stored_wt && small_gemm::panel_nt_f64_supported(din, dout)) {
+          small_gemm::panel_nt_f64(rows, din, dout, g, dout, w_panels + member, accumulate, deriv,
+                                   din, out, din, chunks);
+        } else {
+          small_gemm::panel_gemm_f64(rows, din, dout, g, dout, wt_panels + member, nullptr,
+                                     accumulate, deriv, din, out, din, nullptr, chunks);
+        }
+      };
+      if (net.narrow_fwd[l] != nullptr) {
+        multiply(net.narrow_fwd[l], net.narrow_bwd[l]);
+      } else {
+        multiply(net.panel_fwd[l], net.panel_bwd[l]);
       }
-      small_gemm::panel_gemm_f64(rows, din, dout, g, dout, net.panel_bwd[l] + m * din * dout,
-                                 nullptr, accumulate, deriv, din, out, din, nullptr, chunks);
       return;
     }
   }
@@ -375,18 +407,25 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
         const int64_t din = net.dims[l], dout = net.dims[l + 1];
         const at::Tensor& fwd = panels[panel];
         const at::Tensor& bwd = panels[panel + 1];
+        // float32 panels of a float64 network: its weights' values (packing.py checks).
+        const bool narrow = std::is_same_v<T, double> && fwd.scalar_type() == at::kFloat &&
+                            bwd.scalar_type() == at::kFloat;
         TORCH_CHECK(din % 16 == 0 && dout % 16 == 0 && fwd.is_contiguous() &&
                         fwd.sizes() == at::IntArrayRef({members, dout / 16, din, 16}) &&
                         bwd.is_contiguous() &&
                         bwd.sizes() == at::IntArrayRef({members, din / 16, dout, 16}) &&
-                        fwd.scalar_type() == aev.scalar_type() &&
-                        bwd.scalar_type() == aev.scalar_type(),
+                        (narrow || (fwd.scalar_type() == aev.scalar_type() &&
+                                    bwd.scalar_type() == aev.scalar_type())),
                     "ensemble_mlp: panels[", panel, "], panels[", panel + 1,
-                    "] must be of the AEV's dtype (", aev.scalar_type(), "), (",
-                    members, ", ", dout / 16, ", ", din, ", 16) and (", members, ", ", din / 16,
-                    ", ", dout, ", 16), got ", fwd.sizes(), " and ", bwd.sizes());
-        net.panel_fwd.push_back(fwd.data_ptr<T>());
-        net.panel_bwd.push_back(bwd.data_ptr<T>());
+                    "] must be of the AEV's dtype (", aev.scalar_type(),
+                    "; float32 also for a float64 AEV), (", members, ", ", dout / 16, ", ", din,
+                    ", 16) and (", members, ", ", din / 16, ", ", dout, ", 16), got ",
+                    fwd.scalar_type(), " ", fwd.sizes(), " and ", bwd.scalar_type(), " ",
+                    bwd.sizes());
+        net.panel_fwd.push_back(narrow ? nullptr : fwd.data_ptr<T>());
+        net.panel_bwd.push_back(narrow ? nullptr : bwd.data_ptr<T>());
+        net.narrow_fwd.push_back(narrow ? fwd.data_ptr<float>() : nullptr);
+        net.narrow_bwd.push_back(narrow ? bwd.data_ptr<float>() : nullptr);
         panel += 2;
       }
     }
@@ -399,8 +438,9 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
   if (use_panels) {  // the groups whose backward reads the stored W^T (kStoredMinBlocks)
     auto panel_bytes = [&](const GroupNet<T>& net) {
       int64_t n = 0;
-      for (size_t l = 0; l < net.panel_fwd.size(); ++l) n += net.dims[l] * net.dims[l + 1];
-      return n * members * static_cast<int64_t>(sizeof(T));
+      for (size_t l = 0; l < net.panel_fwd.size(); ++l)
+        n += net.dims[l] * net.dims[l + 1] * panel_size(net, static_cast<int64_t>(l));
+      return n * members;
     };
     int64_t bytes = 0;
     for (const auto& net : nets) bytes += panel_bytes(net);

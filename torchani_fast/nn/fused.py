@@ -62,6 +62,9 @@ class _FusedBase(_WeightPacks, AtomicContainer):
     recompute_min_bytes_gpu: int
     small_group_atoms: int
     native_cpu: bool  # CPU calls use the C++ ops ensemble_atomic / ensemble_energies (module doc)
+    # float64 weights that are all float32 values get float32 panels, widened in cache
+    # by the C++ op: the same bits from half the bytes (packing._narrowed)
+    narrow_panels: bool
     activation: int  # between layers: 0 CELU(0.1) (TightCELU), 1 GELU (layout.ACTIVATION_*)
     # per element, per layer: whether the Linear has a bias (those without are packed
     # as zero biases; their slot in _flat_params holds the layer's weight instead)
@@ -122,6 +125,7 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         self.recompute_min_bytes_gpu = RECOMPUTE_MIN_BYTES_GPU
         self.small_group_atoms = SMALL_GROUP_ATOMS
         self.native_cpu = True
+        self.narrow_panels = True
         self.hidden_widths = [sum(int(lin.out_features) for lin in _linears(a)[:-1]) for a in atomics]
         w = _linears(atomics[0])[0].weight
         # Follows the parameters through .to()/.double(): the cache is checked against it.
@@ -435,6 +439,7 @@ class _FusedBase(_WeightPacks, AtomicContainer):
     def __setstate__(self, state):
         # Modules pickled by an older torchani_fast get the attributes added since.
         state.setdefault("native_cpu", True)
+        state.setdefault("narrow_panels", True)
         state.setdefault("activation", 0)
         state.setdefault("output_row", -1)  # (older modules fused CELU networks with biases only)
         if "layer_biases" not in state:

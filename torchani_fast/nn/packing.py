@@ -25,6 +25,19 @@ def _panel_pair(w: Tensor) -> tp.List[Tensor]:
     return [fwd, bwd]
 
 
+def _narrowed(panels: tp.List[Tensor]) -> tp.List[Tensor]:
+    """float64 panels (one layer's W and W^T) as float32 if every value is a float32
+    value (as ANI's published weights, stored in float32, are in a float64 model):
+    the op widens them in cache, exactly, so the same bits from half the bytes
+    (csrc/ensemble/gemm_f64.h). Else, and for any other dtype, unchanged."""
+    if panels[0].dtype != torch.float64:
+        return panels
+    narrow = [p.to(torch.float32) for p in panels]
+    if not torch.equal(narrow[0].to(torch.float64), panels[0]):  # (NaN too: never equal)
+        return panels
+    return narrow
+
+
 class _NativePlan(tp.NamedTuple):
     """What ``ensemble_mlp`` needs besides the AEV and atoms, for one set of
     members and groups (``_FusedBase._native_plan``)."""
@@ -161,14 +174,16 @@ class _WeightPacks:
                 return None
         cache = self._cache()
         if len(first) == 2:  # layer 1's panels join its entry
-            first.extend(_panel_pair(w1.view(w1.shape[0], k, -1).transpose(0, 1)))
+            pair = _panel_pair(w1.view(w1.shape[0], k, -1).transpose(0, 1))
+            first.extend(_narrowed(pair) if self.narrow_panels else pair)
             cache.put(self._first_key(act, elem, mask), first, self.max_first_layer_packs)
         key = -(1 << 40) * (elem + 1) - _bitmask(act)
         later = cache.get(key)
         if later is None:
             built: tp.List[Tensor] = []
             for l in range(1, len(hidden_e) - 2, 2):
-                built.extend(_panel_pair(hidden_e[l]))
+                pair = _panel_pair(hidden_e[l])
+                built.extend(_narrowed(pair) if self.narrow_panels else pair)
             cache.put(key, built, self.max_first_layer_packs)
             later = built
         return first[2:4] + later

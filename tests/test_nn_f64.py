@@ -97,11 +97,14 @@ def test_gelu_panels_match_pytorch(bias, isa):
     torch.testing.assert_close(jac, jac_ref, rtol=1e-12, atol=1e-12)
 
 
-def test_gradcheck_and_gradgradcheck_with_panels():
+@pytest.mark.parametrize("panel_dtype", [torch.float64, torch.float32])
+def test_gradcheck_and_gradgradcheck_with_panels(panel_dtype):
+    # (float32 panels: of weights that are float32 values, as packing.py makes them)
     members = 2
     aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(
         torch.float64, members, [32, 16], [16, 32], [3, 7], features=40)
-    panels = panels_of(first, packs, layers, members)
+    first, packs = _float32_valued(first), _float32_valued(packs)
+    panels = [p.to(panel_dtype) for p in panels_of(first, packs, layers, members)]
 
     def atomic(a):
         return torch.ops.torchani_fast.ensemble_atomic(a, atoms, sizes, columns, first, packs, panels, layers,

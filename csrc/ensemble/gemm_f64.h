@@ -386,8 +386,24 @@ TF_AVX2 inline int64_t celu_f64_avx2(double* z, double* d, int64_t count) {
 // with the derivative into act_d (not with c_chunks). next: next_doubles
 // doubles read after this product, prefetched into L2 while its last group of
 // panels runs (AVX-512; a hint, results do not depend on it).
+//
+// W's panels may be float32: a float64 network whose weights are all float32
+// values (as the published ANI weights are) keeps its panels in float32
+// (nn/packing.py's _narrowed). Widening is exact, so the same operations on
+// the same values: the same bits as float64 panels, from half the bytes,
+// which is what a call on a small molecule waits for (each member's weights
+// stream from L3 for a few rows). With AVX-512 the tiles widen W as they load
+// it, 12 rows x 16 columns (2 conversions per 24 FMAs: with 6 x 32 tiles' 4,
+// the conversions' port slots made compute-bound calls 3-5% slower); with
+// AVX2, each group of 32 columns is widened into a per-thread buffer first.
+// Energy + forces, float64, 2 threads, alternating processes, ms, float64 ->
+// float32 panels (AVX-512): 2iuz 3.97-4.67 -> 3.42-3.63, 3o99 7.52-8.35 ->
+// 6.47-6.95, small 16.66-18.05 -> 15.75-17.54, 1hz5 55.1-57.6 -> 55.5-58.8,
+// benzene 2.90-3.19 -> 3.05-3.10; capped at AVX2: 2iuz 9.54-10.23 ->
+// 7.19-8.12, 3o99 15.91-16.13 -> 13.25-14.02, benzene 6.05-6.33 -> 5.13-5.59.
+template <typename WT>  // double or float
 inline void panel_gemm_f64(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
-                           const double* w, const double* bias, bool accumulate, const double* d,
+                           const WT* w, const double* bias, bool accumulate, const double* d,
                            int64_t ldd, double* c, int64_t ldc, const uint64_t* a_chunks = nullptr,
                            const uint64_t* c_chunks = nullptr, double* act_d = nullptr,
                            const double* next = nullptr, int64_t next_doubles = 0,
@@ -397,55 +413,25 @@ inline void panel_gemm_f64(int64_t m, int64_t n, int64_t k, const double* a, int
   if (simd::have_avx512()) {
     panel_gemm_f64_avx512(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,
                           act_d, next, next_doubles, act);
-    return;
-  }
-  panel_gemm_f64_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,
-                      act_d, act);
-#else
-  TORCH_CHECK(false, "panel_gemm_f64 needs an x86-64 CPU with AVX2");
-#endif
-}
-
-// panel_gemm_f64 with W's panels in float32: a float64 network whose weights
-// are all float32 values (as the published ANI weights are) keeps its panels
-// in float32 (nn/packing.py's _narrowed). Widening is exact, so the same
-// operations on the same values: the same bits as float64 panels, from half
-// the bytes, which is what a call on a small molecule waits for (each member's
-// weights stream from L3 for a few rows). With AVX-512 the tiles widen W as
-// they load it, 12 rows x 16 columns (2 conversions per 24 FMAs: with 6 x 32
-// tiles' 4, the conversions' port slots made compute-bound calls 3-5% slower);
-// with AVX2, each group of 32 columns is widened into a per-thread buffer
-// first. Energy + forces, float64, 2 threads, alternating processes, ms,
-// float64 -> float32 panels (AVX-512): 2iuz 3.97-4.67 -> 3.42-3.63, 3o99
-// 7.52-8.35 -> 6.47-6.95, small 16.66-18.05 -> 15.75-17.54, 1hz5 55.1-57.6 ->
-// 55.5-58.8, benzene 2.90-3.19 -> 3.05-3.10; capped at AVX2: 2iuz 9.54-10.23 ->
-// 7.19-8.12, 3o99 15.91-16.13 -> 13.25-14.02, benzene 6.05-6.33 -> 5.13-5.59.
-inline void panel_gemm_f64(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
-                           const float* w, const double* bias, bool accumulate, const double* d,
-                           int64_t ldd, double* c, int64_t ldc, const uint64_t* a_chunks = nullptr,
-                           const uint64_t* c_chunks = nullptr, double* act_d = nullptr,
-                           const double* next = nullptr, int64_t next_doubles = 0,
-                           int64_t act = kCelu01) {
-#ifdef TF_SIMD_AVX2
-  if (simd::have_avx512()) {
-    panel_gemm_f64_avx512(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,
-                          act_d, next, next_doubles, act);
-    return;
-  }
-  constexpr int64_t kGroup = 32;
-  thread_local std::vector<double> wide;
-  thread_local std::vector<uint64_t> shifted;
-  wide.resize(static_cast<size_t>(kGroup * k));
-  if (c_chunks != nullptr) shifted.resize(static_cast<size_t>(m));
-  for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
-    const int64_t cols = std::min(kGroup, n - j0);
-    widen_avx2(w + j0 * k, cols * k, wide.data());
-    if (c_chunks != nullptr)
-      for (int64_t r = 0; r < m; ++r) shifted[r] = c_chunks[r] >> (j0 / 16);
-    panel_gemm_f64(m, cols, k, a, lda, wide.data(), bias != nullptr ? bias + j0 : nullptr,
-                   accumulate, d != nullptr ? d + j0 : nullptr, ldd, c + j0, ldc, a_chunks,
-                   c_chunks != nullptr ? shifted.data() : nullptr,
-                   act_d != nullptr ? act_d + j0 : nullptr, nullptr, 0, act);
+  } else if constexpr (std::is_same_v<WT, double>) {
+    panel_gemm_f64_avx2(m, n, k, a, lda, w, bias, accumulate, d, ldd, c, ldc, a_chunks, c_chunks,
+                        act_d, act);
+  } else {
+    constexpr int64_t kGroup = 32;
+    thread_local std::vector<double> wide;
+    thread_local std::vector<uint64_t> shifted;
+    wide.resize(static_cast<size_t>(kGroup * k));
+    if (c_chunks != nullptr) shifted.resize(static_cast<size_t>(m));
+    for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
+      const int64_t cols = std::min(kGroup, n - j0);
+      widen_avx2(w + j0 * k, cols * k, wide.data());
+      if (c_chunks != nullptr)
+        for (int64_t r = 0; r < m; ++r) shifted[r] = c_chunks[r] >> (j0 / 16);
+      panel_gemm_f64_avx2(m, cols, k, a, lda, wide.data(), bias != nullptr ? bias + j0 : nullptr,
+                          accumulate, d != nullptr ? d + j0 : nullptr, ldd, c + j0, ldc, a_chunks,
+                          c_chunks != nullptr ? shifted.data() : nullptr,
+                          act_d != nullptr ? act_d + j0 : nullptr, act);
+    }
   }
 #else
   TORCH_CHECK(false, "panel_gemm_f64 needs an x86-64 CPU with AVX2");

@@ -235,13 +235,12 @@ TF_AVX512 void panel_tile512_f64(int panels, const double* a, int64_t lda, const
 }
 
 template <typename WT>
-TF_AVX512 void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, const double* a,
-                                            int64_t lda, const WT* w, const double* bias,
-                                            bool accumulate, const double* d, int64_t ldd,
-                                            double* c, int64_t ldc, const uint64_t* a_chunks,
-                                            const uint64_t* c_chunks, double* act_d,
-                                            const double* next, int64_t next_doubles,
-                                            int64_t act) {
+TF_AVX512 void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
+                                     const WT* w, const double* bias, bool accumulate,
+                                     const double* d, int64_t ldd, double* c, int64_t ldc,
+                                     const uint64_t* a_chunks, const uint64_t* c_chunks,
+                                     double* act_d, const double* next, int64_t next_doubles,
+                                     int64_t act) {
   constexpr bool kNarrow = std::is_same_v<WT, float>;
   constexpr int64_t kCols = kNarrow ? 16 : 32, kRows = kNarrow ? 12 : 6;
   for (int64_t j0 = 0; j0 < n; j0 += kCols) {
@@ -251,7 +250,7 @@ TF_AVX512 void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, const doub
     const char* stream = group_end < n ? reinterpret_cast<const char*>(w + group_end * k)
                                        : reinterpret_cast<const char*>(next);
     int64_t stream_left = group_end < n ? std::min<int64_t>(kCols, n - group_end) * k * int64_t(sizeof(WT))
-                          : next != nullptr ? next_doubles * 8 : 0;
+                          : next != nullptr ? next_doubles * int64_t(sizeof(double)) : 0;
     for (int64_t r = 0; r < m; r += kRows) {
       const char* tile_stream = nullptr;
       if (stream_left > 0) {
@@ -276,7 +275,7 @@ TF_AVX512 void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, const doub
       const double* ar = a + r * lda;
       const double* dr = d ? d + r * ldd : nullptr;
       double* er = act_d ? act_d + r * ldc : nullptr;
-      if constexpr (std::is_same_v<WT, float>) {
+      if constexpr (kNarrow) {
         switch (rows) {
 #define TF_NARROW_CASE(R) case R: panel_tile512_f64<R, 1, WT>(ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
           TF_NARROW_CASE(12) TF_NARROW_CASE(11) TF_NARROW_CASE(10) TF_NARROW_CASE(9) TF_NARROW_CASE(8) TF_NARROW_CASE(7)
@@ -285,14 +284,14 @@ TF_AVX512 void panel_gemm_f64_avx512(int64_t m, int64_t n, int64_t k, const doub
 #undef TF_NARROW_CASE
         }
       } else {
-      switch (rows) {
-        case 6: panel_tile512_f64<6, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
-        case 5: panel_tile512_f64<5, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
-        case 4: panel_tile512_f64<4, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
-        case 3: panel_tile512_f64<3, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
-        case 2: panel_tile512_f64<2, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
-        default: panel_tile512_f64<1, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
-      }
+        switch (rows) {
+          case 6: panel_tile512_f64<6, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+          case 5: panel_tile512_f64<5, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+          case 4: panel_tile512_f64<4, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+          case 3: panel_tile512_f64<3, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+          case 2: panel_tile512_f64<2, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+          default: panel_tile512_f64<1, WT>(panels, ar, lda, w, k, kc, bias, accumulate, dr, ldd, cr, ldc, er, cols, tile_stream, act); break;
+        }
       }
     }
   }

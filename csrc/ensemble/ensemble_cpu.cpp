@@ -108,6 +108,12 @@ struct GroupNet {
   // float32 values: gemm_f64.h widens them in cache): those panels, and
   // nullptr in panel_fwd / panel_bwd; nullptr here for the other layers.
   std::vector<const float*> narrow_fwd, narrow_bwd;
+  // fn(W's panels, W^T's panels) of layer l, whichever dtype they have.
+  template <typename Fn>
+  auto with_panels(int64_t l, Fn&& fn) const {
+    if (narrow_fwd[l] != nullptr) return fn(narrow_fwd[l], narrow_bwd[l]);
+    return fn(panel_fwd[l], panel_bwd[l]);
+  }
   int64_t layers() const { return static_cast<int64_t>(weight.size()); }
   int64_t in_dim() const { return dims[0]; }
 };
@@ -115,18 +121,6 @@ struct GroupNet {
 struct Task {
   int64_t group, row0, rows, slice;
 };
-
-// Bytes per weight of layer l's panels, and where member m's forward panels start.
-template <typename T>
-int64_t panel_size(const GroupNet<T>& net, int64_t l) {
-  return net.narrow_fwd[l] != nullptr ? sizeof(float) : sizeof(T);
-}
-template <typename T>
-const T* fwd_panels(const GroupNet<T>& net, int64_t l, int64_t m) {
-  const int64_t member = m * net.dims[l] * net.dims[l + 1];
-  return net.narrow_fwd[l] != nullptr ? reinterpret_cast<const T*>(net.narrow_fwd[l] + member)
-                                      : net.panel_fwd[l] + member;
-}
 
 // Layer l of member m: out (rows, d_out) = h W_l + b_l, then, if deriv is
 // given, CELU in place with its derivative into deriv (the panel kernels apply
@@ -146,32 +140,31 @@ void layer_forward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, c
   const T* bias = net.bias[l] + m * dout;
   const int64_t panels = static_cast<int64_t>(net.panel_fwd.size());
   if (l < panels) {
-    // (A prefetch hint: its bytes, as T values, whatever the panels' dtype.)
+    // (A prefetch hint: the first `count` weights of member nm's layer nl, as
+    // that many bytes of T, whatever the panels' dtype.)
     const T* next = nullptr;
     int64_t next_values = 0;
+    auto ahead = [&](int64_t nl, int64_t nm, int64_t count) {
+      net.with_panels(nl, [&](auto w, auto) {
+        next = reinterpret_cast<const T*>(w + nm * net.dims[nl] * net.dims[nl + 1]);
+        next_values = count * static_cast<int64_t>(sizeof(*w)) / static_cast<int64_t>(sizeof(T));
+      });
+    };
     if (l + 1 < panels) {
-      next = fwd_panels(net, l + 1, m);
-      next_values = std::min<int64_t>(64, net.dims[l + 2]) * dout * panel_size(net, l + 1) / sizeof(T);
+      ahead(l + 1, m, std::min<int64_t>(64, net.dims[l + 2]) * dout);
     } else if (next_m >= 0) {
-      next = fwd_panels(net, 0, next_m);
-      next_values = std::min<int64_t>(64, net.dims[1]) * net.dims[0] * panel_size(net, 0) / sizeof(T);
+      ahead(0, next_m, std::min<int64_t>(64, net.dims[1]) * net.dims[0]);
     }
-    auto multiply = [&](auto w_panels) {  // T, or float32 panels of a float64 network
+    net.with_panels(l, [&](auto w, auto) {  // T, or float32 panels of a float64 network
       if constexpr (std::is_same_v<T, float>) {
-        small_gemm::panel_gemm(rows, dout, din, h, din, w_panels + m * din * dout, bias, false,
-                               nullptr, 0, out, dout, chunks, nullptr, deriv, next, next_values,
-                               net.act);
+        small_gemm::panel_gemm(rows, dout, din, h, din, w + m * din * dout, bias, false, nullptr, 0,
+                               out, dout, chunks, nullptr, deriv, next, next_values, net.act);
       } else {
-        small_gemm::panel_gemm_f64(rows, dout, din, h, din, w_panels + m * din * dout, bias, false,
+        small_gemm::panel_gemm_f64(rows, dout, din, h, din, w + m * din * dout, bias, false,
                                    nullptr, 0, out, dout, chunks, nullptr, deriv, next,
                                    next_values, net.act);
       }
-    };
-    if (net.narrow_fwd[l] != nullptr) {
-      multiply(net.narrow_fwd[l]);
-    } else {
-      multiply(net.panel_fwd[l]);
-    }
+    });
     return;
   }
   small_gemm::gemm_bias<T>(rows, dout, din, h, din, net.weight[l] + m * net.stride[l], net.ld[l],
@@ -218,20 +211,15 @@ void layer_backward(const GroupNet<T>& net, int64_t l, int64_t m, int64_t rows, 
     // 152-158 ms against 102.
     if (l < static_cast<int64_t>(net.panel_bwd.size())) {
       const int64_t member = m * din * dout;
-      auto multiply = [&](auto w_panels, auto wt_panels) {  // float64 or float32 panels
+      net.with_panels(l, [&](auto w, auto wt) {  // float64 or float32 panels
         if (!net.stored_wt && small_gemm::panel_nt_f64_supported(din, dout)) {
-          small_gemm::panel_nt_f64(rows, din, dout, g, dout, w_panels + member, accumulate, deriv,
-                                   din, out, din, chunks);
+          small_gemm::panel_nt_f64(rows, din, dout, g, dout, w + member, accumulate, deriv, din,
+                                   out, din, chunks);
         } else {
-          small_gemm::panel_gemm_f64(rows, din, dout, g, dout, wt_panels + member, nullptr,
-                                     accumulate, deriv, din, out, din, nullptr, chunks);
+          small_gemm::panel_gemm_f64(rows, din, dout, g, dout, wt + member, nullptr, accumulate,
+                                     deriv, din, out, din, nullptr, chunks);
         }
-      };
-      if (net.narrow_fwd[l] != nullptr) {
-        multiply(net.narrow_fwd[l], net.narrow_bwd[l]);
-      } else {
-        multiply(net.panel_fwd[l], net.panel_bwd[l]);
-      }
+      });
       return;
     }
   }
@@ -438,8 +426,9 @@ std::tuple<at::Tensor, at::Tensor> ensemble_mlp_impl(
   if (use_panels) {  // the groups whose backward reads the stored W^T (kStoredMinBlocks)
     auto panel_bytes = [&](const GroupNet<T>& net) {
       int64_t n = 0;
-      for (size_t l = 0; l < net.panel_fwd.size(); ++l)
-        n += net.dims[l] * net.dims[l + 1] * panel_size(net, static_cast<int64_t>(l));
+      for (int64_t l = 0; l < static_cast<int64_t>(net.panel_fwd.size()); ++l)
+        n += net.dims[l] * net.dims[l + 1] *
+             net.with_panels(l, [](auto w, auto) { return static_cast<int64_t>(sizeof(*w)); });
       return n * members;
     };
     int64_t bytes = 0;

@@ -9,7 +9,7 @@
 //   dot_rows_f64         = the last layer's one output column
 //
 // W's panels may also be float32 (weights that are float32 values): they are
-// widened, exactly, as they are read (the panel_gemm_f64 overload below).
+// widened, exactly, as they are read (panel_gemm_f64's comment below).
 //
 // A BLAS dgemm on few rows (a block of atoms times one member's weights)
 // packs the weight matrix again on every call and runs at a fraction of its
@@ -163,7 +163,8 @@ TF_AVX512_INLINE void panel_steps512_f64(__m512d (&acc)[R][2 * P], const double*
     __m512d wv[2 * P];
     for (int q = 0; q < P; ++q) {
       _mm_prefetch(reinterpret_cast<const char*>(w[q] + 16 * (p + 8)), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w[q] + 16 * (p + 8) + 8), _MM_HINT_T0);
+      if constexpr (sizeof(WT) == 8)  // (a float32 panel's row is one line)
+        _mm_prefetch(reinterpret_cast<const char*>(w[q] + 16 * (p + 8) + 8), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
         wv[2 * q + h] = load8_f64(w[q] + 16 * p + 8 * h);
         asm("" : "+v"(wv[2 * q + h]));  // a register for its R products (gemm.h)

@@ -16,13 +16,14 @@ from .training import first_layer_pack, hidden_packs
 OpArgs = tp.Tuple[tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], tp.List[int]]
 
 
-def _panel_pair(w: Tensor) -> tp.List[Tensor]:
-    """W (k, d_in, d_out) as 16-column panels: [(k, d_out/16, d_in, 16), W^T's (k, d_in/16, d_out, 16)]."""
+def _panel_pair(w: Tensor, narrow: bool) -> tp.List[Tensor]:
+    """W (k, d_in, d_out) as 16-column panels: [(k, d_out/16, d_in, 16), W^T's (k, d_in/16, d_out, 16)];
+    in float32 if ``narrow`` and W qualifies (``_narrowed``)."""
     k, d_in, d_out = w.shape[0], w.shape[1], w.shape[2]
     with torch.no_grad():
         fwd = w.reshape(k, d_in, d_out // 16, 16).permute(0, 2, 1, 3).contiguous()
         bwd = w.reshape(k, d_in // 16, 16, d_out).permute(0, 1, 3, 2).contiguous()
-    return [fwd, bwd]
+    return _narrowed([fwd, bwd]) if narrow else [fwd, bwd]
 
 
 def _narrowed(panels: tp.List[Tensor]) -> tp.List[Tensor]:
@@ -174,16 +175,14 @@ class _WeightPacks:
                 return None
         cache = self._cache()
         if len(first) == 2:  # layer 1's panels join its entry
-            pair = _panel_pair(w1.view(w1.shape[0], k, -1).transpose(0, 1))
-            first.extend(_narrowed(pair) if self.narrow_panels else pair)
+            first.extend(_panel_pair(w1.view(w1.shape[0], k, -1).transpose(0, 1), self.narrow_panels))
             cache.put(self._first_key(act, elem, mask), first, self.max_first_layer_packs)
         key = -(1 << 40) * (elem + 1) - _bitmask(act)
         later = cache.get(key)
         if later is None:
             built: tp.List[Tensor] = []
             for l in range(1, len(hidden_e) - 2, 2):
-                pair = _panel_pair(hidden_e[l])
-                built.extend(_narrowed(pair) if self.narrow_panels else pair)
+                built.extend(_panel_pair(hidden_e[l], self.narrow_panels))
             cache.put(key, built, self.max_first_layer_packs)
             later = built
         return first[2:4] + later

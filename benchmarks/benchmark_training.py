@@ -7,6 +7,12 @@ the networks' weights, an optimizer step (Adam). Both models start from the
 same weights and take the same steps; their steps alternate (A, B, A, B...)
 and the medians are compared.
 
+Denormal floats: float32 training makes some (CELU's derivative is exp(x / alpha)
+of a large negative x), and on Intel CPUs a matrix product that reads them runs
+several times slower. TorchANI's float32 steps meet them in its ATen products;
+--flush-denormals turns them into zeros in both models (a setting users can
+choose too), so that the ratio is not made of that stall.
+
 Batches:
   * ch4: 256 conformers of CH4 (CH4-5.xyz in --molecules, default tests/data, else random ones);
   * 2iuz: 32 jittered copies of the 46-atom ligand 2iuz (ANI-2x);
@@ -230,10 +236,15 @@ def main():
                         help="the products' FLOPs and time per step, and the bound they set, instead")
     parser.add_argument("--weights-only", action="store_true",
                         help="loss.backward(inputs=parameters): no coordinate gradient (both models)")
+    parser.add_argument("--flush-denormals", action="store_true",
+                        help="torch.set_flush_denormal(True) before any thread starts (the threads "
+                             "inherit it): denormal floats read and written as 0 in both models")
     args = parser.parse_args()
     import os
+    if args.flush_denormals and not torch.set_flush_denormal(True):
+        parser.error("--flush-denormals: this CPU cannot flush denormals (no SSE3)")
     print(f"threads {torch.get_num_threads()}, cpu_isa {torchani_fast.cpu_isa()}, "
-          f"load {os.getloadavg()[0]:.2f}")
+          f"flush denormals {args.flush_denormals}, load {os.getloadavg()[0]:.2f}")
     if args.floor:
         floor(args.floor, args.members[0], getattr(torch, args.dtypes[0]), "force" in args.loss,
               args.molecules)

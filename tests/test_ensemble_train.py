@@ -210,3 +210,53 @@ def test_bad_arguments_are_named():
     with pytest.raises(RuntimeError, match=rf"column {aev.shape[1]} is not a column of the AEV "
                                            rf"\({aev.shape[1]} features\)"):
         call(aev, atoms, sizes, wide, first, packs, layers, 2)
+
+
+def _flushes_denormals_everywhere():
+    """Whether float32 arithmetic flushes denormal results here, on the caller
+    (a single product) and on OpenMP's team (a product split across threads)."""
+    tiny = torch.finfo(torch.float32).tiny
+    one = torch.tensor([tiny], dtype=torch.float32) * 0.01
+    many = torch.full((1 << 18,), tiny, dtype=torch.float32) * 0.01
+    return bool(one[0] == 0), bool((many == 0).all()), bool((many == 0).any())
+
+
+def test_float32_denormals_flushed_inside_and_mode_restored():
+    """float32 CPU calls run with denormals flushed on the caller and OpenMP's
+    team (common/parallel.h, TeamFlushDenormals): a layer-1 weight gradient
+    whose products all fall below float32's smallest normal is exactly 0 (the
+    same gradient through the PyTorch reference is denormal and nonzero), the
+    other rows match the reference, and afterwards every thread's own mode is
+    back, whether it flushed before or not."""
+    aev, atoms, sizes, columns, first, packs, layers, mlps = setup("two-groups", seed=11)
+    members = mlps[0][0][0].shape[0]
+    col = int(columns[0][0])  # group 0's first AEV column (row 0 of its W1)
+    aev = aev.float()
+    aev[:, col] *= 1e-30
+    first32 = as_leaves([t.float() for t in first])
+    packs32 = [t.float() for t in packs]
+    assert _flushes_denormals_everywhere() == (False, False, False)
+    got = call(aev, atoms, sizes, columns, first32, packs32, layers, members)
+    g = 1e-10 * torch.randn(got.shape, generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad(got, first32, g)
+    assert _flushes_denormals_everywhere() == (False, False, False)
+    leaves = [ws[0].detach().float().clone().requires_grad_(True) for ws, _ in mlps]
+    ref_mlps = [([leaf] + [w.float() for w in ws[1:]], [b.float() for b in bs])
+                for leaf, (ws, bs) in zip(leaves, mlps)]
+    ref = reference_values(aev, atoms, sizes, columns, ref_mlps)
+    ref_grads = torch.autograd.grad(ref, leaves, g)
+    tiny = torch.finfo(torch.float32).tiny
+    ref0 = ref_grads[0].permute(1, 0, 2).reshape(grads[0].shape)
+    assert (ref0[0] != 0).any() and (ref0[0].abs() < tiny).all()  # the reference's row: denormal
+    assert (grads[0][0] == 0).all()
+    ref1 = ref_grads[1].permute(1, 0, 2).reshape(grads[1].shape)
+    for got_rows, ref_rows in ((grads[0][1:], ref0[1:]), (grads[1], ref1)):  # float32 sums
+        torch.testing.assert_close(got_rows, ref_rows, rtol=1e-4, atol=1e-6 * float(ref_rows.abs().max()))
+    # A caller that flushes already keeps flushing after the op.
+    torch.set_flush_denormal(True)
+    try:
+        call(aev, atoms, sizes, columns, first32, packs32, layers, members).sum().backward()
+        assert _flushes_denormals_everywhere()[0]
+    finally:
+        torch.set_flush_denormal(False)
+    assert not _flushes_denormals_everywhere()[0]

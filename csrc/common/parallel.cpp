@@ -243,6 +243,38 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
   }
 }
 
+namespace {
+thread_local int flush_depth = 0;  // this thread's open TeamFlushDenormals scopes
+thread_local unsigned flush_saved = 0;  // its MXCSR before the outermost
+
+void team_flush(bool on) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  // One index per thread: ATen's OpenMP loop gives each team thread one chunk.
+  at::parallel_for(0, at::get_num_threads(), 1, [on](int64_t, int64_t) {
+    constexpr unsigned kFtzDaz = 0x8040;  // bit 15 flush to zero, bit 6 denormals are zero
+    if (on) {
+      if (flush_depth++ == 0) {
+        flush_saved = __builtin_ia32_stmxcsr();
+        __builtin_ia32_ldmxcsr(flush_saved | kFtzDaz);
+      }
+    } else if (flush_depth > 0 && --flush_depth == 0) {
+      __builtin_ia32_ldmxcsr(flush_saved);
+    }
+  });
+#else
+  (void)on;
+#endif
+}
+}  // namespace
+
+TeamFlushDenormals::TeamFlushDenormals(bool enable) : active_(enable) {
+  if (active_) team_flush(true);
+}
+
+TeamFlushDenormals::~TeamFlushDenormals() {
+  if (active_) team_flush(false);
+}
+
 ParallelCounts parallel_counts() {
   return {team_regions.load(), pool_run_regions.load(), pool_regions.load(), pool_period.load()};
 }

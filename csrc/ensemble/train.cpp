@@ -35,6 +35,10 @@ using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
 using namespace aten_mlp;
 
+// Flushes denormals on OpenMP's team while a float32 CPU op runs
+// (common/parallel.h: TeamFlushDenormals).
+bool flushes(const at::Tensor& t) { return t.is_cpu() && t.scalar_type() == at::kFloat; }
+
 // One element group: its atoms (rows of the AEV), AEV columns (all of them
 // when `all_columns`), layer-1 weights (K, members*d1) and the later packs
 // b1 (members*d1,), W2 (members, d1, d2), b2 (members, 1, d2), ...
@@ -303,6 +307,7 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
                             std::vector<int64_t> layers, int64_t members, int64_t activation,
                             int64_t features) {
     ctx->set_materialize_grads(false);
+    const TeamFlushDenormals flush(flushes(grad));
     const auto groups = make_groups(atoms, sizes, columns, first, packs, layers, features);
     at::Tensor result = scatter_target(grad.options(), grad.size(1), features, groups);
     std::vector<at::Tensor> above, deltas;  // per transition t: delta_{t+1} W^T, delta_t
@@ -348,6 +353,7 @@ class InputGrad : public torch::autograd::Function<InputGrad> {
     const at::Tensor v = grads[0];  // (atoms, features)
     std::vector<at::Tensor> result(needed.size());  // grad, first..., packs..., pre...
     if (!v.defined()) return pack_outputs(result, nf, np, nh);
+    const TeamFlushDenormals flush(flushes(v));
     if (at::GradMode::is_enabled()) {  // a third derivative: differentiate a recording
       std::vector<at::Tensor> outs, gs;
       int64_t at_t = 0;
@@ -416,6 +422,7 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
     // Outputs without a gradient arrive undefined, not as zeros: the
     // pre-activations have one only under a force loss.
     ctx->set_materialize_grads(false);
+    const TeamFlushDenormals flush(flushes(aev));
     const auto groups = make_groups(atoms, sizes, columns, first, packs, layers, aev.size(1));
     // Each group's inputs, kept for the layer-1 weight gradient.
     std::vector<at::Tensor> inputs, pre, post, values;
@@ -460,6 +467,7 @@ class TrainFunction : public torch::autograd::Function<TrainFunction> {
     for (size_t i = 1; i < grads.size(); ++i) pre_grads = pre_grads || grads[i].defined();
     std::vector<at::Tensor> result(needed.size());  // aev, first..., packs...
     const auto groups = sv.groups(aev.size(1));
+    const TeamFlushDenormals flush(flushes(aev));
     if (at::GradMode::is_enabled()) {
       // create_graph=True. For forces (the values' gradient only, to the AEV):
       // InputGrad, whose second derivative is written out. Anything else

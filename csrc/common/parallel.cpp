@@ -14,6 +14,8 @@
 #include <mutex>
 #include <thread>
 
+#include "common/simd_math.h"
+
 namespace torchani_fast {
 namespace {
 
@@ -251,11 +253,10 @@ void team_flush(bool on) {
 #if defined(__x86_64__) && defined(__GNUC__)
   // One index per thread: ATen's OpenMP loop gives each team thread one chunk.
   at::parallel_for(0, at::get_num_threads(), 1, [on](int64_t, int64_t) {
-    constexpr unsigned kFtzDaz = 0x8040;  // bit 15 flush to zero, bit 6 denormals are zero
     if (on) {
       if (flush_depth++ == 0) {
         flush_saved = __builtin_ia32_stmxcsr();
-        __builtin_ia32_ldmxcsr(flush_saved | kFtzDaz);
+        __builtin_ia32_ldmxcsr(flush_saved | simd::FlushDenormals::kFtzDaz);
       }
     } else if (flush_depth > 0 && --flush_depth == 0) {
       __builtin_ia32_ldmxcsr(flush_saved);

@@ -50,8 +50,9 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
 // sums fall below 1.2e-38 (weight gradients of small AEV terms, CELU
 // derivatives) cost a microcode assist each on Intel CPUs: the layer-1 weight
 // gradient of 256 CH4 conformers (ANI-1x, 8 members) took 10.5 ms instead of
-// 1.7. Two parallel regions per scope; `enable` false does nothing. A team thread that the end of the scope
-// does not reach (OMP_DYNAMIC giving a smaller team) keeps the mode.
+// 1.7. Two parallel regions per scope; `enable` false does nothing. A team
+// thread that the end of the scope does not reach (OMP_DYNAMIC giving a
+// smaller team) keeps the mode.
 class TeamFlushDenormals {
  public:
   explicit TeamFlushDenormals(bool enable);

@@ -11,11 +11,8 @@ import torchani_fast
 
 from torchani_fast import ops
 
-from conftest import atoms_to_tensors, model_pair, read_molecule, reference_model
-
-NONPERIODIC = ["2iuz_ligand.xyz", "3lka_ligand.xyz", "3hkw_ligand.xyz", "3o99_ligand.xyz",
-               "1hvj_ligand.xyz", "small.xyz", "1hz5.xyz"]
-PERIODIC = ["benzene.xyz", "tight_cell.xyz", "water-0.8nm.xyz"]
+from conftest import (NONPERIODIC, PERIODIC, aev_args, atoms_to_tensors, chloromethane, model_pair, read_molecule,
+                      reference_model)
 
 
 def tol(dtype):
@@ -53,13 +50,6 @@ def test_aev_ani1x_and_padded_batch():
     assert (got[0, len(mols[0]):] == 0).all()
 
 
-def chloromethane(dtype=torch.float64):
-    species = torch.tensor([[6, 17, 1, 1, 1]])
-    coords = torch.tensor([[[0.0, 0.0, 0.0], [0.0, 0.0, 1.78], [1.03, 0.0, -0.36],
-                            [-0.52, 0.89, -0.36], [-0.52, -0.89, -0.36]]], dtype=dtype)
-    return species, coords
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_aev_with_chlorine(dtype):
     ref, fast = model_pair("ANI2x", dtype)
@@ -68,12 +58,6 @@ def test_aev_with_chlorine(dtype):
     expected = ref.potentials["nnp"].aev_computer(elem, coords)
     got = fast.potentials["nnp"].aev_computer(elem, coords)
     torch.testing.assert_close(got, expected, **tol(dtype))
-
-
-def aev_args(aev_computer, dtype):
-    r, a = aev_computer.radial, aev_computer.angular
-    consts = [t.to(dtype) for t in (r.eta, r.shifts, a.eta, a.zeta, a.shifts, a.sections)]
-    return consts + [float(r.cutoff), float(a.cutoff), aev_computer.num_species]
 
 
 def small_system(dtype=torch.float64, seed=0):

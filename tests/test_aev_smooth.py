@@ -23,7 +23,7 @@ from torchani_fast import ops
 from torchani_fast.aev import AEVComputer, NeighborList, check_supported
 from torchani_fast.testing import random_model
 
-from conftest import atoms_to_tensors, read_molecule
+from conftest import atoms_to_tensors, read_molecule, tiny_consts, tiny_periodic_system
 
 F64 = torch.float64
 # The factories whose AEV uses the smooth cutoff (ANIr2s_water, _ch3cn, _chcl3
@@ -319,8 +319,6 @@ def test_local_derivatives_match_torchani(model):
 
 
 def tiny_case(dtype=F64, order=2, eps=1e-10, seed=0):
-    from test_hessian import tiny_consts, tiny_periodic_system
-
     species, pairs, diff = tiny_periodic_system(dtype, seed=seed)
     consts = [c.to(dtype) if torch.is_tensor(c) else c for c in tiny_consts()]
     return species, pairs, diff, consts + [ops.CUTOFF_SMOOTH, order, eps]

@@ -19,9 +19,11 @@ import pytest
 import torch
 
 import torchani_fast
-from conftest import MOLECULES, atoms_to_tensors, energy_forces, model_pair, read_molecule, reference_model
-from test_ensemble_op import make_groups, op, panels_of, reference
-from test_nn import assert_energies, assert_forces
+from conftest import (MOLECULES, aev_args, assert_energies, assert_forces, atoms_to_tensors, energy_forces,
+                      model_pair, read_molecule, reference_model)
+from networks_reference import make_groups, panels_of, reference
+
+op = torch.ops.torchani_fast.ensemble_mlp
 
 
 def run_at(level, fn, *args):
@@ -149,7 +151,6 @@ def test_neighbors_and_aev_same_bits_at_avx2_and_avx512(levels, name, molecule):
     if "avx512" not in levels:
         pytest.skip("this CPU has no AVX-512")
     from torchani_fast import ops
-    from test_aev import aev_args
 
     ref = reference_model(name, torch.float32)
     aevc = ref.potentials["nnp"].aev_computer

@@ -13,7 +13,7 @@ import torchani_fast
 from torchani_fast import ops
 from torchani_fast.aev import AEVComputer, NeighborList
 from torchani_fast.testing import random_ani2x, random_molecule, water_box
-from conftest import energy_forces
+from conftest import TINY_LEN, aev_args, energy_forces, tiny_consts, tiny_periodic_system
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
@@ -105,12 +105,6 @@ def pair_set(pairs, images):
             continue
         rows.append((i, j, *img))
     return sorted(rows)
-
-
-def aev_args(aev_computer, device, dtype):
-    r, a = aev_computer.radial, aev_computer.angular
-    consts = [t.to(device, dtype) for t in (r.eta, r.shifts, a.eta, a.zeta, a.shifts, a.sections)]
-    return consts + [float(r.cutoff), float(a.cutoff), aev_computer.num_species]
 
 
 def diff_vectors(coords, cell, pairs, images):
@@ -223,7 +217,7 @@ def _aev_inputs(name, dtype, device, extra_invalid=False):
         pairs = torch.cat([pairs, torch.full((2, 17), -1)], 1)
         images = torch.cat([images, torch.zeros(17, 3, dtype=dtype)])
     diff = diff_vectors(coords, cell, pairs, images)
-    args = aev_args(model.aev_computer, device, dtype)
+    args = aev_args(model.aev_computer, dtype, device)
     return species.to(device), pairs.to(device), diff.to(device), args
 
 
@@ -258,8 +252,8 @@ def test_aev_cuda_all_launch_shapes(n_molecules):
     species = elem_idxs(z)
     pairs, images = ops.neighbor_pairs(species, x, cell, pbc, CUTOFF, True)
     diff = diff_vectors(x, cell, pairs, images)
-    args_cpu = aev_args(model.aev_computer, "cpu", torch.float64)
-    args_gpu = aev_args(model.aev_computer, "cuda", torch.float64)
+    args_cpu = aev_args(model.aev_computer, torch.float64, "cpu")
+    args_gpu = aev_args(model.aev_computer, torch.float64, "cuda")
     a_cpu = ops.aev(species, pairs, diff, *args_cpu)
     a_gpu = ops.aev(species.cuda(), pairs.cuda(), diff.cuda(), *args_gpu)
     torch.testing.assert_close(a_gpu.cpu(), a_cpu, rtol=1e-10, atol=1e-12)
@@ -282,8 +276,8 @@ def test_aev_cuda_cutoff_tail(dtype, delta):
                        [rc_a * (1 - delta), 0.0, 0.0], [0.0, 1.1, 0.0]]], dtype=dtype)
     pairs, images = ops.neighbor_pairs(species, x, None, None, CUTOFF, False)
     diff = diff_vectors(x, None, pairs, images)
-    a_cpu = ops.aev(species, pairs, diff, *aev_args(aevc, "cpu", dtype))
-    a_gpu = ops.aev(species.cuda(), pairs.cuda(), diff.cuda(), *aev_args(aevc, "cuda", dtype)).cpu()
+    a_cpu = ops.aev(species, pairs, diff, *aev_args(aevc, dtype, "cpu"))
+    a_gpu = ops.aev(species.cuda(), pairs.cuda(), diff.cuda(), *aev_args(aevc, dtype, "cuda")).cpu()
     torch.testing.assert_close(a_gpu, a_cpu, **_tol(dtype))
     p = int(aevc.triu_index[0, 2])
     assert a_gpu[0, 0, 3 * r_len: 4 * r_len].max() > 0  # the O's radial block
@@ -442,8 +436,6 @@ def test_second_derivative_ops_cuda_match_cpu(name, dtype):
 
 def _tiny_periodic_cuda():
     """test_hessian's tiny system (self image, repeated pair, padding) on CUDA, float64."""
-    from test_hessian import tiny_consts, tiny_periodic_system
-
     species, pairs, diff = tiny_periodic_system(torch.float64, seed=4)
     consts = [c.cuda() if torch.is_tensor(c) else c for c in tiny_consts()]
     return species.cuda(), pairs.cuda(), diff.cuda(), consts
@@ -451,8 +443,6 @@ def _tiny_periodic_cuda():
 
 @requires_cuda
 def test_gradgradcheck_cuda():
-    from test_hessian import TINY_LEN
-
     species, pairs, diff, consts = _tiny_periodic_cuda()
     diff.requires_grad_(True)
     f = lambda d: ops.aev(species, pairs, d, *consts)  # noqa: E731

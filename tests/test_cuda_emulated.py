@@ -22,8 +22,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import aev_args, tiny_consts, tiny_periodic_system  # noqa: E402
 from test_cuda import (  # noqa: E402
-    CUTOFF, SYSTEMS, aev_args, diff_vectors, pair_set, random_model, to,
+    CUTOFF, SYSTEMS, diff_vectors, pair_set, random_model, to,
 )
 
 DTYPES = [torch.float32, torch.float64]
@@ -91,7 +92,7 @@ def _aev_case(species, coords, cell, pbc, dtype, pad_slots=0):
         pairs = torch.cat([pairs, torch.full((2, pad_slots), -1)], 1)
         images = torch.cat([images, torch.zeros(pad_slots, 3, dtype=dtype)])
     diff = diff_vectors(coords, cell, pairs, images)
-    return species, pairs, diff, aev_args(model.aev_computer, "cpu", dtype)
+    return species, pairs, diff, aev_args(model.aev_computer, dtype, "cpu")
 
 
 def _check_aev(emu, species, pairs, diff, args, dtype):
@@ -223,8 +224,6 @@ def test_aev_invalid_values(emu):
 def _tiny_periodic(dtype):
     """5 atoms + 1 padding atom, an atom paired with its own image and a pair present
     twice through two images (test_hessian's system), non-integer zeta."""
-    from test_hessian import tiny_consts, tiny_periodic_system
-
     species, pairs, diff = tiny_periodic_system(dtype, seed=11)
     args = [c.to(dtype) if torch.is_tensor(c) else c for c in tiny_consts()]
     return species, pairs, diff, args

@@ -1,76 +1,16 @@
 """The fused networks' C++ op (torchani_fast::ensemble_mlp) against plain PyTorch.
 
-The reference below evaluates each member's MLP with torch.nn.functional and
-takes J = d(sum over members)/d(input) by autograd: nothing of nn.py is used.
+The reference (tests/networks_reference.py) evaluates each member's MLP with
+torch.nn.functional and takes J = d(sum over members)/d(input) by autograd:
+nothing of torchani_fast.nn is used.
 """
 import pytest
 import torch
 
 import torchani_fast  # noqa: F401  (also loads the op)
+from networks_reference import make_groups, panels_of, reference, reference_values
 
 op = torch.ops.torchani_fast.ensemble_mlp
-
-
-def make_groups(dtype, members, widths, cols_per_group, sizes, features=64, seed=0):
-    """Random AEV rows, groups and packed weights in the layouts of nn.py."""
-    g = torch.Generator().manual_seed(seed)
-    n = sum(sizes) + 3
-    aev = torch.rand(n, features, generator=g, dtype=dtype) * 0.4
-    atoms = torch.randperm(n, generator=g)[: sum(sizes)]
-    columns, first, packs, layers, mlps = [], [], [], [], []
-    for k_cols in cols_per_group:
-        cols = torch.sort(torch.randperm(features, generator=g)[:k_cols]).values
-        dims = [k_cols] + widths + [1]
-        ws = [torch.randn(members, dims[i], dims[i + 1], generator=g, dtype=dtype) / dims[i] ** 0.5
-              for i in range(len(dims) - 1)]
-        bs = [torch.randn(members, dims[i + 1], generator=g, dtype=dtype) * 0.1 for i in range(len(dims) - 1)]
-        columns.append(cols)
-        first.append(ws[0].permute(1, 0, 2).reshape(k_cols, -1).contiguous())  # (K, members * d1)
-        packs.append(bs[0].reshape(-1))
-        for w, b in zip(ws[1:], bs[1:]):
-            packs += [w.contiguous(), b.unsqueeze(1).contiguous()]
-        layers.append(len(dims) - 1)
-        mlps.append((ws, bs))
-    return aev, atoms, list(sizes), columns, first, packs, layers, mlps
-
-
-def panels_of(first, packs, layers, members):
-    """float32 panel copies (W and W^T as 16-column panels) of every hidden layer."""
-    out, p = [], 0
-    for w1, nl in zip(first, layers):
-        ws = [w1.view(w1.shape[0], members, -1).transpose(0, 1)]
-        ws += [packs[p + 2 * l - 1] for l in range(1, nl - 1)]
-        for w in ws:
-            k, d_in, d_out = w.shape
-            out.append(w.reshape(k, d_in, d_out // 16, 16).permute(0, 2, 1, 3).contiguous())
-            out.append(w.reshape(k, d_in // 16, 16, d_out).permute(0, 1, 3, 2).contiguous())
-        p += 2 * nl - 1
-    return out
-
-
-def reference(aev, atoms, sizes, columns, mlps):
-    """Values (members, rows of aev): each atom's in its own column, 0 elsewhere; J flat."""
-    x = aev.clone().requires_grad_(True)
-    values = reference_values(x, atoms, sizes, columns, mlps)
-    (grad,) = torch.autograd.grad(values.sum(), x)  # an atom's values depend on its own row only
-    jac = [grad[atoms_g][:, cols].flatten() for atoms_g, cols in zip(atoms.split(sizes), columns)]
-    return values.detach(), torch.cat(jac)
-
-
-def reference_values(x, atoms, sizes, columns, mlps):
-    """Values (members, rows of x) as a differentiable function of x, plain PyTorch."""
-    out = x.new_zeros((mlps[0][0][0].shape[0], x.shape[0]))
-    for atoms_g, cols, (ws, bs) in zip(atoms.split(sizes), columns, mlps):
-        outs = []
-        for m in range(ws[0].shape[0]):
-            h = x[atoms_g][:, cols]
-            for l, (w, b) in enumerate(zip(ws, bs)):
-                h = h @ w[m] + b[m]
-                if l + 1 < len(ws):
-                    h = torch.nn.functional.celu(h, 0.1)
-            outs.append(h[:, 0])
-        out = out.index_copy(1, atoms_g, torch.stack(outs))
-    return out
 
 
 CASES = {

@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from conftest import energy_forces, model_pair
-from test_aev import chloromethane
+from conftest import chloromethane, energy_forces, model_pair
 
 # A scripted model re-raises as torch.jit.Error, with the original message inside.
 ERRORS = (ValueError, RuntimeError, torch.jit.Error)

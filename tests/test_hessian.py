@@ -17,39 +17,13 @@ from torchani_fast import ops
 from torchani_fast.grad import energies_forces_and_hessians as one_pass_hessians
 from torchani_fast.grad import hessians_supported
 
-from conftest import atoms_to_tensors, read_molecule, reference_model
+from conftest import (TINY_LEN, atoms_to_tensors, read_molecule, reference_model, tiny_consts,
+                      tiny_periodic_system)
 
 F64 = torch.float64
 
 
 # --- the ops on tiny random systems ------------------------------------------------
-
-
-TINY_LEN = 2 * 4 + 3 * 2 * 2  # AEV length for tiny_consts
-
-
-def tiny_consts(dtype=F64):
-    """Few features (2 species, 4 radial, 2x2 angular) so numerical checks are quick.
-
-    Non-integer zeta and per-shift etas exercise the general formulas."""
-    t = lambda *v: torch.tensor(v, dtype=dtype)  # noqa: E731
-    return [t(4.0, 3.0, 5.0, 4.5), t(0.8, 1.4, 2.0, 2.6), t(3.0), t(5.5, 7.0), t(0.9, 1.7),
-            t(0.4, 2.0), 3.0, 2.6, 2]
-
-
-def tiny_periodic_system(dtype=F64, seed=0):
-    """5 atoms + 1 padding atom; all pairs, an atom paired with its own image and a
-    pair present twice through two different images (what a small cell gives)."""
-    g = torch.Generator().manual_seed(seed)
-    species = torch.tensor([[0, 1, 1, 0, 1, -1]])
-    x = torch.rand(6, 3, generator=g, dtype=dtype) * 2.2
-    i, j = torch.triu_indices(6, 6, 1)
-    diff = x[i] - x[j]
-    # Atom 0 with its own image, and the pair (1, 2) a second time through another image.
-    extra = torch.tensor([[2.5, 0.0, 0.0], [0.3, -1.9, 0.7]], dtype=dtype)
-    i = torch.cat([i, torch.tensor([0, 1])])
-    j = torch.cat([j, torch.tensor([0, 2])])
-    return species, torch.stack([i, j]), torch.cat([diff, extra])
 
 
 def test_gradgradcheck_aev_op_with_periodic_images():

@@ -11,58 +11,8 @@ import torchani
 
 import torchani_fast
 from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, grouping, unsupported_reason
-from conftest import energy_forces, model_pair, read_molecule, reference_model
-
-F32_EPS = torch.finfo(torch.float32).eps
-
-
-def _chloromethane():
-    # A rough CH3Cl geometry: only needed to have a Cl atom (no Cl in ../shared/molecules).
-    z = [6, 17, 1, 1, 1]
-    xyz = [[0.0, 0.0, 0.0], [0.0, 0.0, 1.78], [1.03, 0.0, -0.36], [-0.52, 0.89, -0.36], [-0.52, -0.89, -0.36]]
-    return z, xyz
-
-
-def _molecule(name):
-    if name == "CH3Cl":
-        return _chloromethane()
-    atoms = read_molecule(name)
-    if name == "water-0.8nm.xyz":  # one water molecule, without the cell
-        atoms = atoms[:3]
-    return atoms.numbers.tolist(), atoms.positions.tolist()
-
-
-def padded_batch(names, dtype, empty_row=True):
-    """(species, coords): molecules padded with -1 (and an all-padding row)."""
-    mols = [_molecule(n) for n in names]
-    width = max(len(z) for z, _ in mols)
-    rows = len(mols) + int(empty_row)
-    species = torch.full((rows, width), -1, dtype=torch.long)
-    coords = torch.zeros((rows, width, 3), dtype=dtype)
-    for i, (z, xyz) in enumerate(mols):
-        species[i, : len(z)] = torch.tensor(z)
-        coords[i, : len(z)] = torch.tensor(xyz, dtype=dtype)
-    return species, coords
-
-
-BATCHES = {
-    # H C N O S F Cl across molecules: every element network and many column blocks.
-    "ANI2x": ["3lka_ligand.xyz", "3hkw_ligand.xyz", "CH3Cl"],
-    "ANI1x": ["2iuz_ligand.xyz", "CH4-5.xyz", "water-0.8nm.xyz"],
-    "small": ["3lka_ligand.xyz", "CH3Cl"],  # H C N O S Cl, 21 atoms wide
-}
-
-
-def assert_energies(actual, expected, dtype):
-    if dtype == torch.float64:
-        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
-    else:  # a few float32 ulps of the total energy
-        atol = 8 * F32_EPS * expected.abs().max().item()
-        torch.testing.assert_close(actual, expected, rtol=0, atol=atol)
-
-
-def assert_forces(actual, expected, dtype):
-    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-9 if dtype == torch.float64 else 5e-5)
+from conftest import (BATCHES, assert_energies, assert_forces, energy_forces, model_pair, molecule_lists,
+                      padded_batch, reference_model)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
@@ -267,7 +217,7 @@ def test_weights_changed_in_place_are_seen_without_clear_cache(scripted):
         fast = torch.jit.script(fast)
     mols = {}
     for name in ("2iuz_ligand.xyz", "3o99_ligand.xyz"):
-        z, xyz = _molecule(name)
+        z, xyz = molecule_lists(name)
         mols[name] = (torch.tensor([z]), torch.tensor([xyz], dtype=torch.float64))
 
     def check():

@@ -12,14 +12,12 @@ import torch
 
 import torchani_fast
 from torchani_fast.testing import random_model
-from conftest import ISA_LEVELS, energy_forces, model_pair, reference_model
-from test_ensemble_op import make_groups, op, panels_of, reference
-from test_nn import BATCHES, assert_energies, assert_forces, padded_batch
-from test_nn_gelu import make_groups as make_gelu_groups
-from test_threads import _with_threads
-from test_nn_gelu import reference_values as gelu_reference_values
+from conftest import (BATCHES, ISA_LEVELS, assert_energies, assert_forces, energy_forces, model_pair,
+                      padded_batch, reference_model, with_threads)
+from networks_reference import make_groups, panels_of, reference, reference_values
 
 ops = torch.ops.torchani_fast
+op = ops.ensemble_mlp
 TOL = dict(rtol=1e-10, atol=1e-12)
 
 
@@ -84,10 +82,10 @@ def test_avx2_and_avx512_give_the_same_bits():
 def test_gelu_panels_match_pytorch(bias, isa):
     members = 3
     widths, cols, sizes = [48, 32, 16], [32, 64, 16], [9, 40, 1]
-    aev, atoms, sizes, columns, first, packs, layers, mlps = make_gelu_groups(
-        torch.float64, members, widths, cols, sizes, bias)
+    aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(
+        torch.float64, members, widths, cols, sizes, activation="gelu", bias=bias)
     x = aev.clone().requires_grad_(True)
-    ref = gelu_reference_values(x, atoms, sizes, columns, mlps)
+    ref = reference_values(x, atoms, sizes, columns, mlps, "gelu")
     (grad,) = torch.autograd.grad(ref.sum(), x)
     jac_ref = torch.cat([grad[a][:, c].flatten() for a, c in zip(atoms.split(sizes), columns)])
     panels = panels_of(first, packs, layers, members)
@@ -272,7 +270,7 @@ def test_same_bits_for_any_number_of_threads():
     members = 8
     aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(torch.float64, members, *SHAPES["blocks"])
     panels = panels_of(first, packs, layers, members)
-    runs = [_with_threads(n, lambda: op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True))
+    runs = [with_threads(n, lambda: op(aev, atoms, sizes, columns, first, packs, panels, layers, members, True))
             for n in (1, 2, 4)]
     for values, jac in runs[1:]:
         assert torch.equal(values, runs[0][0]) and torch.equal(jac, runs[0][1])

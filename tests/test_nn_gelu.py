@@ -16,9 +16,8 @@ import torchani_fast
 from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, unsupported_reason
 from torchani_fast.nn.layout import ACTIVATION_CELU, ACTIVATION_GELU
 from torchani_fast.testing import random_model
-from conftest import energy_forces
-from test_ensemble_op import panels_of
-from test_nn import assert_energies, assert_forces, padded_batch
+from conftest import assert_energies, assert_forces, energy_forces, padded_batch
+from networks_reference import make_groups, panels_of, reference_values
 
 ops = torch.ops.torchani_fast
 F32_EPS = torch.finfo(torch.float32).eps
@@ -129,47 +128,6 @@ def test_gelu_float64_and_celu_unchanged():
 # -- the op ----------------------------------------------------------------------------
 
 
-def make_groups(dtype, members, widths, cols_per_group, sizes, bias, features=64, seed=0):
-    """Random AEV rows, groups and packed weights (zero biases where ``bias`` is False)."""
-    g = torch.Generator().manual_seed(seed)
-    n = sum(sizes) + 3
-    aev = torch.randn(n, features, generator=g, dtype=dtype) * 0.5
-    atoms = torch.randperm(n, generator=g)[: sum(sizes)]
-    columns, first, packs, layers, mlps = [], [], [], [], []
-    for k_cols in cols_per_group:
-        cols = torch.sort(torch.randperm(features, generator=g)[:k_cols]).values
-        dims = [k_cols] + widths + [1]
-        ws = [torch.randn(members, dims[i], dims[i + 1], generator=g, dtype=dtype) * 1.5 / dims[i] ** 0.5
-              for i in range(len(dims) - 1)]
-        bs = [torch.randn(members, dims[i + 1], generator=g, dtype=dtype) * 0.3 if bias else None
-              for i in range(len(dims) - 1)]
-        zeros = [torch.zeros(members, dims[i + 1], dtype=dtype) if b is None else b for i, b in enumerate(bs)]
-        columns.append(cols)
-        first.append(ws[0].permute(1, 0, 2).reshape(k_cols, -1).contiguous())
-        packs.append(zeros[0].reshape(-1))
-        for w, b in zip(ws[1:], zeros[1:]):
-            packs += [w.contiguous(), b.unsqueeze(1).contiguous()]
-        layers.append(len(dims) - 1)
-        mlps.append((ws, bs))
-    return aev, atoms, list(sizes), columns, first, packs, layers, mlps
-
-
-def reference_values(x, atoms, sizes, columns, mlps):
-    """Values (members, rows of x): plain torch.nn.functional, GELU, biases only where given."""
-    out = x.new_zeros((mlps[0][0][0].shape[0], x.shape[0]))
-    for atoms_g, cols, (ws, bs) in zip(atoms.split(sizes), columns, mlps):
-        outs = []
-        for m in range(ws[0].shape[0]):
-            h = x[atoms_g][:, cols]
-            for l, (w, b) in enumerate(zip(ws, bs)):
-                h = h @ w[m] if b is None else h @ w[m] + b[m]
-                if l + 1 < len(ws):
-                    h = torch.nn.functional.gelu(h)
-            outs.append(h[:, 0])
-        out = out.index_copy(1, atoms_g, torch.stack(outs))
-    return out
-
-
 OP_CASES = {
     "ani-like": ([32, 16, 16], [48, 32, 64], [70, 5, 130]),
     "one-atom": ([32, 16, 16], [16], [1]),
@@ -185,9 +143,9 @@ def test_op_gelu_against_pytorch(dtype, case, bias, isa):
     widths, cols, sizes = OP_CASES[case]
     members = 3
     aev, atoms, sizes, columns, first, packs, layers, mlps = make_groups(
-        dtype, members, widths, cols, sizes, bias)
+        dtype, members, widths, cols, sizes, activation="gelu", bias=bias)
     x = aev.clone().requires_grad_(True)
-    ref = reference_values(x, atoms, sizes, columns, mlps)
+    ref = reference_values(x, atoms, sizes, columns, mlps, "gelu")
     (grad,) = torch.autograd.grad(ref.sum(), x)
     jac_ref = torch.cat([grad[a][:, c].flatten() for a, c in zip(atoms.split(sizes), columns)])
     panel_sets = [[]]
@@ -209,14 +167,14 @@ def test_op_gelu_against_pytorch(dtype, case, bias, isa):
 
 def test_op_refuses_an_unknown_activation():
     aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(
-        torch.float64, 2, [16], [16], [3], False)
+        torch.float64, 2, [16], [16], [3], activation="gelu", bias=False)
     with pytest.raises(RuntimeError, match="activation = 5 must be 0"):
         ops.ensemble_mlp(aev, atoms, sizes, columns, first, packs, [], layers, 2, True, False, 5)
 
 
 def test_gradcheck_gradgradcheck_gelu_op():
     aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(
-        torch.float64, 2, [8, 5], [12, 7], [4, 3], False, features=20)
+        torch.float64, 2, [8, 5], [12, 7], [4, 3], features=20, activation="gelu", bias=False)
     x = aev.clone().requires_grad_(True)
 
     def atomic(a):
@@ -235,7 +193,7 @@ def test_gradcheck_gradgradcheck_gelu_op():
 def test_opcheck_gelu():
     widths, cols, sizes = OP_CASES["ani-like"]
     aev, atoms, sizes, columns, first, packs, layers, _ = make_groups(
-        torch.float32, 2, widths, cols, sizes, False)
+        torch.float32, 2, widths, cols, sizes, activation="gelu", bias=False)
     panels = panels_of(first, packs, layers, 2)
     utils = ("test_schema", "test_faketensor")
     for grad in (True, False):

@@ -6,8 +6,8 @@ import torch
 
 import torchani_fast
 
-from conftest import atoms_to_tensors, energy_forces, model_pair, read_molecule, reference_model
-from test_aev import NONPERIODIC, PERIODIC, chloromethane
+from conftest import (NONPERIODIC, PERIODIC, atoms_to_tensors, chloromethane, energy_forces, model_pair,
+                      read_molecule, reference_model)
 
 
 def assert_energy_close(got, expected, dtype):

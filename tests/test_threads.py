@@ -14,7 +14,7 @@ import torchani_fast
 from torchani_fast.grad import energies_forces_and_hessians
 from torchani_fast.testing import random_ani2x, random_molecule, water_box
 
-from conftest import energy_forces
+from conftest import energy_forces, with_threads
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +45,9 @@ def _everything(model, dtype, hessians):
     return out
 
 
-def _with_threads(n, fn):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_bitwise_equal_for_1_2_and_4_threads(model, dtype):
-    runs = [_with_threads(n, lambda: _everything(model, dtype, hessians=dtype == torch.float64))
+    runs = [with_threads(n, lambda: _everything(model, dtype, hessians=dtype == torch.float64))
             for n in (1, 2, 4, 2)]
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
@@ -65,12 +56,12 @@ def test_bitwise_equal_for_1_2_and_4_threads(model, dtype):
 def test_bitwise_equal_beside_busy_processes(model):
     # Two busy loops take the cores: the workers are often descheduled, and the
     # caller runs their chunks (csrc/common/parallel.h). Same bits.
-    quiet = _with_threads(1, lambda: _everything(model, torch.float32, hessians=False))
+    quiet = with_threads(1, lambda: _everything(model, torch.float32, hessians=False))
     loop = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass\n"
     busy = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(2)]
     try:
         for _ in range(3):
-            loaded = _with_threads(2, lambda: _everything(model, torch.float32, hessians=False))
+            loaded = with_threads(2, lambda: _everything(model, torch.float32, hessians=False))
             assert all(torch.equal(a, b) for a, b in zip(quiet, loaded))
     finally:
         for proc in busy:
@@ -87,7 +78,7 @@ def test_the_pool_and_openmps_team_give_the_same_bits(model, dtype=torch.float32
     def run(pool_regions):
         before = _C.parallel_counts(pool_regions)
         try:
-            out = _with_threads(2, lambda: _everything(model, dtype, hessians=False))
+            out = with_threads(2, lambda: _everything(model, dtype, hessians=False))
             after = _C.parallel_counts(-1)
         finally:
             _C.parallel_counts(0)
@@ -120,7 +111,7 @@ def test_a_machine_that_stays_busy_sends_longer_stretches_to_the_pool(model):
     _C.parallel_counts(0, 0)
     try:
         before = _C.parallel_counts(-1)
-        _with_threads(2, lambda: calls(100))
+        with_threads(2, lambda: calls(100))
         after = _C.parallel_counts(-1)
         team, pool = after[0] - before[0], after[1] - before[1]
         stretches = [100 * 2**k for k in range(team)]
@@ -129,9 +120,9 @@ def test_a_machine_that_stays_busy_sends_longer_stretches_to_the_pool(model):
 
         _C.parallel_counts(-1, 10**15)
         while _C.parallel_counts(-1)[0] - after[0] < 1000:
-            _with_threads(2, lambda: calls(5))
+            with_threads(2, lambda: calls(5))
         _C.parallel_counts(-1, 0)
-        _with_threads(2, lambda: calls(1))
+        with_threads(2, lambda: calls(1))
         assert _C.parallel_counts(-1)[3] == 100
     finally:
         _C.parallel_counts(0, -1)

@@ -246,20 +246,21 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
 }
 
 namespace {
-thread_local int flush_depth = 0;  // this thread's open TeamFlushDenormals scopes
-thread_local unsigned flush_saved = 0;  // its MXCSR before the outermost
+thread_local bool in_flush_scope = false;  // this thread opened a TeamFlushDenormals
+thread_local bool flush_set = false;  // this thread's MXCSR was set by one (saved below)
+thread_local unsigned flush_saved = 0;
 
 void team_flush(bool on) {
 #if defined(__x86_64__) && defined(__GNUC__)
   // One index per thread: ATen's OpenMP loop gives each team thread one chunk.
   at::parallel_for(0, at::get_num_threads(), 1, [on](int64_t, int64_t) {
-    if (on) {
-      if (flush_depth++ == 0) {
-        flush_saved = __builtin_ia32_stmxcsr();
-        __builtin_ia32_ldmxcsr(flush_saved | simd::FlushDenormals::kFtzDaz);
-      }
-    } else if (flush_depth > 0 && --flush_depth == 0) {
+    if (on && !flush_set) {
+      flush_saved = __builtin_ia32_stmxcsr();
+      __builtin_ia32_ldmxcsr(flush_saved | simd::FlushDenormals::kFtzDaz);
+      flush_set = true;
+    } else if (!on && flush_set) {
       __builtin_ia32_ldmxcsr(flush_saved);
+      flush_set = false;
     }
   });
 #else
@@ -268,12 +269,18 @@ void team_flush(bool on) {
 }
 }  // namespace
 
-TeamFlushDenormals::TeamFlushDenormals(bool enable) : active_(enable) {
-  if (active_) team_flush(true);
+// A scope opened inside another on the same thread (InputGrad's forward inside
+// TrainFunction's backward) finds the team flushing already: it does nothing.
+TeamFlushDenormals::TeamFlushDenormals(bool enable) : active_(enable && !in_flush_scope) {
+  if (!active_) return;
+  team_flush(true);
+  in_flush_scope = true;
 }
 
 TeamFlushDenormals::~TeamFlushDenormals() {
-  if (active_) team_flush(false);
+  if (!active_) return;
+  team_flush(false);
+  in_flush_scope = false;
 }
 
 ParallelCounts parallel_counts() {

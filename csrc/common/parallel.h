@@ -43,17 +43,16 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
 
 // While in scope, the calling thread and every thread of OpenMP's team flush
 // denormal float results to zero and read denormal inputs as zero (MXCSR FTZ
-// and DAZ, as simd::FlushDenormals sets them for one thread); each thread's
-// own mode comes back at the end of the scope (a scope nested in another on
-// the same thread does nothing). For ops
-// whose float32 work runs in ATen's operators (ensemble/train.cpp): their
-// matrix products run on OpenMP's team (MKL), where products whose partial
-// sums fall below 1.2e-38 (weight gradients of small AEV terms, CELU
-// derivatives) cost a microcode assist each on Intel CPUs: the layer-1 weight
-// gradient of 256 CH4 conformers (ANI-1x, 8 members) took 10.5 ms instead of
-// 1.7. Two parallel regions per scope; `enable` false does nothing. A team
-// thread that the end of the scope does not reach (OMP_DYNAMIC giving a
-// smaller team) keeps the mode.
+// and DAZ, as simd::FlushDenormals sets them for one thread); each thread's own
+// mode comes back at the end of the scope (a scope nested in another on the
+// same thread does nothing). For ops whose float32 work runs in ATen's
+// operators (ensemble/train.cpp): their matrix products run on OpenMP's team
+// (MKL), where products whose partial sums fall below 1.2e-38 (weight gradients
+// of small AEV terms, CELU derivatives) cost a microcode assist each on Intel
+// CPUs: the layer-1 weight gradient of 256 CH4 conformers (ANI-1x, 8 members)
+// took 10.5 ms instead of 1.7. Two parallel regions per scope; `enable` false
+// does nothing. A team thread that the end of the scope does not reach
+// (OMP_DYNAMIC giving a smaller team) keeps the mode.
 class TeamFlushDenormals {
  public:
   explicit TeamFlushDenormals(bool enable);

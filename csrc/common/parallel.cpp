@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "common/simd_math.h"
@@ -247,20 +248,18 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
 
 namespace {
 thread_local bool in_flush_scope = false;  // this thread opened a TeamFlushDenormals
-thread_local bool flush_set = false;  // this thread's MXCSR was set by one (saved below)
-thread_local unsigned flush_saved = 0;
+// This thread's flushing mode while a scope (its own or its team's caller's) is
+// open: simd::FlushDenormals sets it and restores the mode it found.
+thread_local std::optional<simd::FlushDenormals> team_mode;
 
 void team_flush(bool on) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__)  // (elsewhere FlushDenormals does nothing)
   // One index per thread: ATen's OpenMP loop gives each team thread one chunk.
   at::parallel_for(0, at::get_num_threads(), 1, [on](int64_t, int64_t) {
-    if (on && !flush_set) {
-      flush_saved = __builtin_ia32_stmxcsr();
-      __builtin_ia32_ldmxcsr(flush_saved | simd::FlushDenormals::kFtzDaz);
-      flush_set = true;
-    } else if (!on && flush_set) {
-      __builtin_ia32_ldmxcsr(flush_saved);
-      flush_set = false;
+    if (!on) {
+      team_mode.reset();
+    } else if (!team_mode) {
+      team_mode.emplace();
     }
   });
 #else

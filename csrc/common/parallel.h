@@ -43,7 +43,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
 
 // While in scope, the calling thread and every thread of OpenMP's team flush
 // denormal float results to zero and read denormal inputs as zero (MXCSR FTZ
-// and DAZ, as simd::FlushDenormals sets them for one thread); each thread's own
+// and DAZ: a simd::FlushDenormals held on each thread); each thread's own
 // mode comes back at the end of the scope (a scope nested in another on the
 // same thread does nothing). For ops whose float32 work runs in ATen's
 // operators (ensemble/train.cpp): their matrix products run on OpenMP's team

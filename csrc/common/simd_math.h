@@ -100,9 +100,8 @@ class FlushDenormals {
   FlushDenormals(const FlushDenormals&) = delete;
   FlushDenormals& operator=(const FlushDenormals&) = delete;
 
-  static constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bit 15 flush to zero, bit 6 denormals are zero
-
  private:
+  static constexpr unsigned kFtzDaz = 0x8040;  // bit 15 flush to zero, bit 6 denormals are zero
   unsigned saved_ = 0;
   bool active_ = false;
 };

@@ -32,11 +32,12 @@ import torch
 from torch import Tensor
 from torchani.tuples import EnergiesForcesHessians
 
-from . import ops
+from . import core, ops
 from .aev import AEVComputer
+from .core import require_tensors
 from .nn import aev_columns, linears as _linears
 
-__all__ = ["energies_forces_and_hessians", "hessians_supported"]
+__all__ = ["energies_forces_and_hessians", "energies_forces_hessians", "hessians_supported"]
 
 _CHUNK_ELEMENTS = 1 << 24  # bound on the network tangents held at once (per layer)
 
@@ -70,10 +71,7 @@ def energies_forces_and_hessians(
         energies (M,) in Ha, forces (M, A, 3) in Ha/Å, hessians (M, 3A, 3A) in
         Ha/Å², all detached. Rows and columns of padding atoms are zero.
     """
-    for name, value in (("species", species), ("coordinates", coordinates), ("cell", cell), ("pbc", pbc)):
-        if value is not None and not isinstance(value, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; "
-                            f"convert it explicitly, e.g. torch.as_tensor({name})")
+    require_tensors(species=species, coordinates=coordinates, cell=cell, pbc=pbc)
     if species.numel() > 0 and not bool((species >= 0).any()):
         return _all_padding(model, species, coordinates, cell, pbc)
     reason = hessians_supported(model)
@@ -86,6 +84,41 @@ def energies_forces_and_hessians(
     with torch.no_grad():
         h = _hessians(model, species, coordinates.detach(), cell, pbc)
     return EnergiesForcesHessians(energies.detach(), -grad, h)
+
+
+def energies_forces_hessians(model: torch.nn.Module, species: Tensor, coords: Tensor,
+                             cell: tp.Optional[Tensor] = None,
+                             pbc: tp.Optional[Tensor] = None) -> core.EnergiesForcesHessians:
+    """Energies, forces and Hessians (second derivatives) of a batch.
+
+    Arguments are those of :func:`torchani_fast.core.energies_forces`.
+
+    Returns
+    -------
+    EnergiesForcesHessians
+        ``energies`` (M,) in Ha, ``forces`` (M, A, 3) in Ha/Å and ``hessians``
+        (M, 3A, 3A) = d²E/dx² in Ha/Å², with rows and columns ordered
+        atom-major (x0, y0, z0, x1, ...), all detached.
+
+    Computed by :func:`torchani_fast.grad.energies_forces_and_hessians`:
+    patched eager models (CPU or CUDA) get the Hessian in one pass; others
+    (scripted, unpatched) one autograd pass per Cartesian component.
+
+    Raises
+    ------
+    TypeError
+        If an input is not a tensor (numpy arrays and lists are not converted).
+    NotImplementedError
+        If the model's featurizer has no second derivatives (the message of the
+        underlying error is kept).
+    """
+    x, cell, pbc = core.prepare(model, species, coords, cell, pbc)
+    try:
+        return energies_forces_and_hessians(model, species.to(x.device), x.detach(), cell, pbc)
+    except RuntimeError as exc:
+        if "second derivative" in str(exc) or "double backward" in str(exc):
+            raise NotImplementedError(f"Hessians are not supported yet: {exc}") from exc
+        raise
 
 
 def hessians_supported(model: torch.nn.Module) -> tp.Optional[str]:
@@ -192,7 +225,7 @@ def _hessians(model, species, coords, cell, pbc) -> Tensor:
     members, divisor = _mlp_members(nnp.neural_networks)
     elem = model.species_converter(species, nop=not model.periodic_table_index)
     mols, atoms = elem.shape
-    neighbors = aevc.neighborlist(float(aevc.radial.cutoff), elem, coords, cell, pbc)
+    neighbors, _ = core.neighbors(model, elem, coords, cell, pbc)  # (the model's cutoff is its AEV's)
     pairs, diff = neighbors.indices, neighbors.diff_vectors
     consts = (
         aevc.radial.eta, aevc.radial.shifts, aevc.angular.eta, aevc.angular.zeta,

@@ -560,3 +560,57 @@ def _dispersion_d3_fake(elem_idxs, pairs, distances, ghost_flags, atomic, coeff6
 def _pair_energies_backward_fake(grad_energies, derivs, pairs, elem_idxs, atomic):
     torch._check(derivs.shape[0] == pairs.shape[1], lambda: "derivs must be (P, K)")
     return derivs.new_empty((pairs.shape[1],))
+
+
+# -- the networks' and the input checks' ops (csrc/ensemble, csrc/validate) ------------------
+# Thin typed wrappers: TorchScript compiles them into the patched model's code, so
+# that this module stays the one caller of torch.ops.torchani_fast.
+
+
+def ensemble_atomic(aev: Tensor, atoms: Tensor, sizes: tp.List[int], columns: tp.List[Tensor],
+                    first: tp.List[Tensor], packs: tp.List[Tensor], panels: tp.List[Tensor],
+                    layers: tp.List[int], members: int, zero_blocks_exact: bool = False,
+                    activation: int = 0) -> Tensor:
+    """Atomic energies (members, N) of every element group and member (CPU; C++ autograd)."""
+    return torch.ops.torchani_fast.ensemble_atomic(aev, atoms, sizes, columns, first, packs, panels, layers,
+                                                   members, zero_blocks_exact, activation)
+
+
+def ensemble_energies(aev: Tensor, atoms: Tensor, sizes: tp.List[int], columns: tp.List[Tensor],
+                      first: tp.List[Tensor], packs: tp.List[Tensor], panels: tp.List[Tensor],
+                      layers: tp.List[int], members: int, molecules: int, divisor: int,
+                      zero_blocks_exact: bool = False, activation: int = 0) -> Tensor:
+    """Energies (molecules,): the members' sum over each molecule's atoms over ``divisor``."""
+    return torch.ops.torchani_fast.ensemble_energies(aev, atoms, sizes, columns, first, packs, panels, layers,
+                                                     members, molecules, divisor, zero_blocks_exact, activation)
+
+
+def ensemble_train(aev: Tensor, atoms: Tensor, sizes: tp.List[int], columns: tp.List[Tensor],
+                   first: tp.List[Tensor], packs: tp.List[Tensor], layers: tp.List[int], members: int,
+                   small: int, activation: int = 0) -> Tensor:
+    """Atomic energies for training: differentiable in the weights (ATen on any device)."""
+    return torch.ops.torchani_fast.ensemble_train(aev, atoms, sizes, columns, first, packs, layers, members,
+                                                  small, activation)
+
+
+def group_atoms(elem_idxs: Tensor, num_species: int, aev: tp.Optional[Tensor] = None, radial_sublen: int = 0,
+                split_min_atoms: int = 0) -> tp.Tuple[Tensor, Tensor]:
+    """Atoms ordered by group, and one (element, block mask, size, ...) row per group."""
+    return torch.ops.torchani_fast.group_atoms(elem_idxs, num_species, aev, radial_sublen, split_min_atoms)
+
+
+def first_invalid_atom(species: Tensor, coords: Tensor) -> int:
+    """-1 if every species is >= -1 and every real atom's coordinates are finite,
+    else the flat index of the first atom that is not (CPU, one pass)."""
+    return torch.ops.torchani_fast.first_invalid_atom(species, coords)
+
+
+def valid_cell(cell: Tensor, pbc: Tensor) -> bool:
+    """Whether ``cell`` is finite and, if any axis is periodic, non-singular (CPU)."""
+    return torch.ops.torchani_fast.valid_cell(cell, pbc)
+
+
+def convert_species(atomic_nums: Tensor, conv: Tensor) -> tp.Tuple[Tensor, int]:
+    """Element indices of atomic numbers, and -1 or the flat index of the first
+    unsupported or out-of-range one (CPU, one pass)."""
+    return torch.ops.torchani_fast.convert_species(atomic_nums, conv)

@@ -18,7 +18,7 @@ members that TorchANI calls through are replaced:
   is swapped in place: same buffers and state dict), evaluated on the model's
   one neighbour list, which the patched model hands to torchani_fast's AEV and
   pair ops as it is (they skip pairs beyond their cutoff; TorchANI copies the
-  list per potential: :class:`torchani_fast.potentials.OneNeighborList`).
+  list per potential: :class:`torchani_fast.core.ModelCore`).
 
 A part that torchani_fast does not reproduce exactly (an AEV with TorchANI's
 smooth cutoff, GELU networks...) stays TorchANI's, fed by torchani_fast's
@@ -31,15 +31,20 @@ import weakref
 
 import torch
 from torchani.arch import ANI, ANIq
+from torchani.nn import SpeciesConverter as _TorchaniSpeciesConverter
+from torchani.potentials import RepulsionXTB, TwoBodyDispersionD3
 
 from ._front_door import front_door_class
 from .aev import AEVComputer, NeighborList
-from .validation import SpeciesConverter, ValidatedModel
+from .core import ModelCore, ModelCoreQ
+from .mixins import FrontDoor, ValidatedModel
 from .nn import (FusedChargeNetworks, _FusedBase, charge_unsupported_reason, fuse_charge_networks,
                  fuse_networks, unsupported_reason)
-from .potentials import OneNeighborListANI, OneNeighborListANIq, UnboundedNeighborList, speed_up
+from .potentials import (FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList, fast_unsupported_reason,
+                         set_fast_cutoff)
+from .validation import SpeciesConverter
 
-__all__ = ["patch", "is_patched", "kept_parts", "nnp_of"]
+__all__ = ["patch", "is_patched", "kept_parts", "nnp_of", "PATCHED_CLASSES", "PatchedANI", "PatchedANIq"]
 
 # model -> {part: reason} of the parts patch() left as TorchANI's (and warned about).
 _KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, tp.Dict[str, str]]" = weakref.WeakKeyDictionary()
@@ -107,7 +112,8 @@ def patch(model: torch.nn.Module, neighborlist: str = "auto") -> torch.nn.Module
         _keep(model, "AEV computer", str(exc))
         nnp.aev_computer.neighborlist = nl
     model.neighborlist = nl
-    SpeciesConverter.from_torchani(model.species_converter)
+    _swap_class(model.species_converter, SpeciesConverter)
+    model.species_converter._init_patched()
     _patch_parts(model, nnp)
     return model
 
@@ -115,11 +121,18 @@ def patch(model: torch.nn.Module, neighborlist: str = "auto") -> torch.nn.Module
 def _patch_parts(model: torch.nn.Module, nnp: torch.nn.Module) -> None:
     _fuse(model, nnp)
     for name, pot in model.potentials.items():
-        if name != "nnp":
-            reason = speed_up(pot)
+        if name == "nnp":
+            continue
+        cls = PATCHED_CLASSES.get(type(pot))
+        if cls is not None:
+            reason = fast_unsupported_reason(pot)
             if reason is not None:
                 _keep(model, f"{type(pot).__name__} potential {name!r}", reason)
-    _install_ase(model)
+            else:
+                _swap_class(pot, cls)
+        if isinstance(pot, (FastRepulsionXTB, FastDispersionD3)):
+            set_fast_cutoff(pot)
+    _swap_class(model, _model_class(type(model)))
 
 
 def _fuse(model: torch.nn.Module, nnp: torch.nn.Module) -> None:
@@ -154,37 +167,18 @@ def nnp_of(model: torch.nn.Module) -> torch.nn.Module:
     return potentials["nnp"]
 
 
-# --- front door: ``patched.ase()`` and ``patched.energies_forces()`` --------------
-# The patched model gets a subclass of its TorchANI class (torchani_fast/_front_door.py):
-# _FrontDoor's Python-side methods, which TorchScript never compiles (they are not
-# ``forward`` nor exported), ValidatedModel's ``_check_inputs`` and the one-list
-# ``compute_from_neighbors``, which it compiles in TorchANI's place.
-class _FrontDoor:
-    """Eager-only conveniences that :func:`patch` adds to a model."""
-
-    @torch.jit.unused
-    def ase(self, overwrite: bool = False, stress_kind: str = "scaling", jit: bool = False):
-        """An ASE calculator (:class:`torchani_fast.ase.Calculator`) for this model.
-
-        Same arguments as ``torchani.arch.ANI.ase``; one model evaluation serves
-        energy, forces and stress.
-        """
-        from .ase import Calculator
-
-        model = torch.jit.script(self) if jit else self
-        return Calculator(model, overwrite=overwrite, stress_kind=stress_kind)
-
-    @torch.jit.unused
-    def energies_forces(self, species, coords, cell=None, pbc=None):
-        """Energies (Ha) and forces (Ha/Å); see :func:`torchani_fast.evaluate.energies_forces`."""
-        from .evaluate import energies_forces
-
-        return energies_forces(self, species, coords, cell, pbc)
+# --- the class changes ------------------------------------------------------------------------
+# patch() changes classes in place here, and only here (TorchANI 2.2.4's classes:
+# torchani_fast.legacy): the model's (below), its species converter's
+# (validation.SpeciesConverter) and its pair potentials' (potentials.Fast*). A patched
+# model's class puts torchani_fast's mixins (torchani_fast/mixins.py, core.py) in
+# front of its TorchANI class; a user's subclass of ANI or ANIq gets one made on
+# first use (_front_door.py, where pickle finds it by name).
 
 
 def _mixins(base: type) -> tp.Tuple[type, ...]:
     """torchani_fast's classes in front of the TorchANI class ``base`` (ANI, ANIq or a subclass)."""
-    return (_FrontDoor, ValidatedModel, OneNeighborListANIq if issubclass(base, ANIq) else OneNeighborListANI)
+    return (FrontDoor, ValidatedModel, ModelCoreQ if issubclass(base, ANIq) else ModelCore)
 
 
 class PatchedANI(*_mixins(ANI), ANI):
@@ -195,6 +189,23 @@ class PatchedANIq(*_mixins(ANIq), ANIq):
     __doc__ = ANIq.__doc__
 
 
-def _install_ase(model: torch.nn.Module) -> None:
-    if not isinstance(model, _FrontDoor):
-        model.__class__ = front_door_class(type(model), {ANI: PatchedANI, ANIq: PatchedANIq}, _mixins)
+#: TorchANI's class -> the class patch() gives the object, for the classes written out.
+PATCHED_CLASSES: tp.Dict[type, type] = {
+    ANI: PatchedANI,
+    ANIq: PatchedANIq,
+    _TorchaniSpeciesConverter: SpeciesConverter,
+    RepulsionXTB: FastRepulsionXTB,
+    TwoBodyDispersionD3: FastDispersionD3,
+}
+
+
+def _model_class(base: type) -> type:
+    if isinstance(base, type) and issubclass(base, FrontDoor):
+        return base  # patched already
+    return front_door_class(base, PATCHED_CLASSES, _mixins)
+
+
+def _swap_class(obj: torch.nn.Module, cls: type) -> None:
+    """The one in-place class change (same object, buffers and state dict)."""
+    if type(obj) is not cls:
+        obj.__class__ = cls

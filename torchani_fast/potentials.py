@@ -32,16 +32,15 @@ import typing as tp
 import torch
 from torch import Tensor
 from torchani.cutoffs import CutoffCosine, CutoffDummy, CutoffSmooth
-from torchani.neighbors import Neighbors, discard_outside_cutoff
+from torchani.neighbors import Neighbors
 from torchani.potentials import RepulsionXTB, TwoBodyDispersionD3
 from torchani.tuples import EnergiesScalars
 
 from . import ops
 from .aev import NeighborList
 
-__all__ = ["FastRepulsionXTB", "FastDispersionD3", "UnboundedNeighborList", "OneNeighborListANI",
-           "OneNeighborListANIq", "speed_up",
-           "d3_unsupported_reason"]
+__all__ = ["FastRepulsionXTB", "FastDispersionD3", "UnboundedNeighborList", "d3_unsupported_reason",
+           "fast_unsupported_reason", "runs_op", "set_fast_cutoff"]
 
 
 def _sum_pairs(pair_energies: Tensor, elem_idxs: Tensor, neighbors: Neighbors, atomic: bool,
@@ -86,7 +85,10 @@ def _cutoff_args(cutoff_fn: torch.nn.Module) -> tp.Tuple[int, int, float]:
     return -1, 2, 1e-10
 
 
-def _use_op(kind: int, neighbors: Neighbors) -> bool:
+def runs_op(kind: int, neighbors: Neighbors) -> bool:
+    """Whether a pair potential with the ops' envelope ``kind`` runs its C++ op on
+    ``neighbors`` (CPU, float32 or float64); the op skips the pairs beyond its
+    cutoff, so it reads the model's whole list."""
     d = neighbors.distances
     return kind >= 0 and d.device.type == "cpu" and (d.dtype == torch.float32 or d.dtype == torch.float64)
 
@@ -94,7 +96,7 @@ def _use_op(kind: int, neighbors: Neighbors) -> bool:
 class FastRepulsionXTB(RepulsionXTB):
     """``torchani.potentials.RepulsionXTB`` evaluated with fewer operations (same values)."""
 
-    # The envelope as the op's arguments (set by speed_up; kind -1: the ATen code).
+    # The envelope as the op's arguments (set by set_fast_cutoff; kind -1: the ATen code).
     fast_cutoff_kind: int
     fast_cutoff_order: int
     fast_cutoff_eps: float
@@ -110,7 +112,7 @@ class FastRepulsionXTB(RepulsionXTB):
         ghost_flags: tp.Optional[Tensor] = None,
     ) -> EnergiesScalars:
         _check(elem_idxs, neighbors, ghost_flags)
-        if _use_op(self.fast_cutoff_kind, neighbors):
+        if runs_op(self.fast_cutoff_kind, neighbors):
             energies, _ = ops.repulsion_xtb(
                 elem_idxs, neighbors.indices, neighbors.distances, ghost_flags, atomic,
                 self.y_ab, self.sqrt_alpha_ab, self.k_rep_ab, self.ANGSTROM_TO_BOHR, self.cutoff,
@@ -153,7 +155,7 @@ class FastDispersionD3(TwoBodyDispersionD3):
         ghost_flags: tp.Optional[Tensor] = None,
     ) -> EnergiesScalars:
         _check(elem_idxs, neighbors, ghost_flags)
-        if _use_op(self.fast_cutoff_kind, neighbors):
+        if runs_op(self.fast_cutoff_kind, neighbors):
             damp = self._damp_fn
             energies, _ = ops.dispersion_d3(
                 elem_idxs, neighbors.indices, neighbors.distances, ghost_flags, atomic,
@@ -258,113 +260,15 @@ def d3_unsupported_reason(pot: TwoBodyDispersionD3) -> tp.Optional[str]:
     return None
 
 
-def speed_up(pot: torch.nn.Module) -> tp.Optional[str]:
-    """Swap TorchANI's ``RepulsionXTB``/``TwoBodyDispersionD3`` for the faster
-    subclass in place; returns ``None`` when done or already done (or for any
-    other potential: nothing to do), or the reason a known potential is kept."""
-    if type(pot) is RepulsionXTB:
-        pot.__class__ = FastRepulsionXTB
-    elif type(pot) is TwoBodyDispersionD3:
-        reason = d3_unsupported_reason(pot)
-        if reason is not None:
-            return reason
-        pot.__class__ = FastDispersionD3
-    if type(pot) in (FastRepulsionXTB, FastDispersionD3):
-        pot.fast_cutoff_kind, pot.fast_cutoff_order, pot.fast_cutoff_eps = _cutoff_args(pot.cutoff_fn)
+def fast_unsupported_reason(pot: torch.nn.Module) -> tp.Optional[str]:
+    """Why ``pot`` (TorchANI's ``RepulsionXTB`` or ``TwoBodyDispersionD3``) keeps
+    TorchANI's class, or None when the faster subclass reproduces it."""
+    if isinstance(pot, TwoBodyDispersionD3):
+        return d3_unsupported_reason(pot)
     return None
 
 
-# -- the model's one list, unnarrowed --------------------------------------------------------
-# TorchANI's ANI.compute_from_neighbors copies the model's neighbour list once per
-# potential, keeping the pairs within that potential's cutoff (discard_outside_cutoff:
-# a nonzero over all pairs and three index_selects, and their backward). torchani_fast's
-# AEV and its pair-potential ops skip the pairs beyond their own cutoff themselves, so
-# the patched model hands them the list as it is; any other potential still gets its copy.
-
-
-class OneNeighborList:
-    """Mixin for patched models: :meth:`_neighbors_per_potential`."""
-
-    def _neighbors_per_potential(self, neighbors: Neighbors) -> tp.List[Neighbors]:
-        """The list each potential of ``self.potentials`` reads, in their order."""
-        out: tp.List[Neighbors] = []
-        for pot in self.potentials.values():
-            whole = not pot._enabled  # (not evaluated: no copy)
-            if hasattr(pot, "fast_cutoff_kind"):  # FastRepulsionXTB / FastDispersionD3
-                whole = whole or _use_op(pot.fast_cutoff_kind, neighbors)
-            if hasattr(pot, "aev_computer"):
-                if hasattr(pot.aev_computer, "cutoff_kind"):  # torchani_fast's AEVComputer
-                    whole = True
-            out.append(neighbors if whole else discard_outside_cutoff(neighbors, pot.cutoff))
-        return out
-
-    def _zero_energies(self, elem_idxs: Tensor, coords: Tensor, charge: int, atomic: bool,
-                       ensemble_values: bool) -> Tensor:
-        """The inputs checked, and zeros of the output's shape (TorchANI's start)."""
-        self._check_inputs(elem_idxs, coords, charge)
-        energies = coords.new_zeros(elem_idxs.shape[0])
-        if atomic:
-            energies = energies.unsqueeze(1)
-        if ensemble_values:
-            energies = energies.unsqueeze(0)
-        return energies
-
-    def _shifted(self, energies: Tensor, elem_idxs: Tensor, atomic: bool) -> Tensor:
-        if self.energy_shifter._enabled:
-            energies = energies + self.energy_shifter(elem_idxs, atomic=atomic)
-        return energies
-
-
-class OneNeighborListANI(OneNeighborList):
-    """``ANI.compute_from_neighbors`` (the same in TorchANI 2.7-2.9) with :meth:`_neighbors_per_potential`."""
-
-    @torch.jit.export
-    def compute_from_neighbors(
-        self,
-        elem_idxs: Tensor,
-        coords: Tensor,
-        neighbors: Neighbors,
-        charge: int = 0,
-        atomic: bool = False,
-        ensemble_values: bool = False,
-    ) -> EnergiesScalars:
-        energies = self._zero_energies(elem_idxs, coords, charge, atomic, ensemble_values)
-        lists = self._neighbors_per_potential(neighbors)
-        k = 0
-        for pot in self.potentials.values():
-            if pot._enabled:
-                result = pot.compute_from_neighbors(elem_idxs, coords, lists[k], charge, atomic, ensemble_values)
-                energies = energies + result.energies
-            k += 1
-        return EnergiesScalars(self._shifted(energies, elem_idxs, atomic))
-
-
-class OneNeighborListANIq(OneNeighborList):
-    """``ANIq.compute_from_neighbors`` (the same in TorchANI 2.7-2.9) with :meth:`_neighbors_per_potential`."""
-
-    @torch.jit.export
-    def compute_from_neighbors(
-        self,
-        elem_idxs: Tensor,
-        coords: Tensor,
-        neighbors: Neighbors,
-        charge: int = 0,
-        atomic: bool = False,
-        ensemble_values: bool = False,
-    ) -> EnergiesScalars:
-        energies = self._zero_energies(elem_idxs, coords, charge, atomic, ensemble_values)
-        qs = coords.new_zeros(elem_idxs.shape)  # atomic charges
-        if ensemble_values:
-            qs = energies.unsqueeze(0)  # (as TorchANI has it)
-        lists = self._neighbors_per_potential(neighbors)
-        k = 0
-        for name, pot in self.potentials.items():
-            if pot._enabled:
-                e, q = pot.compute_from_neighbors(elem_idxs, coords, lists[k], charge, atomic, ensemble_values)
-                energies = energies + e
-                if name == "nnp":
-                    assert q is not None
-                    qs = qs + q
-            k += 1
-        return EnergiesScalars(self._shifted(energies, elem_idxs, atomic), qs)
-
+def set_fast_cutoff(pot: torch.nn.Module) -> None:
+    """Store the ops' envelope arguments on a :class:`FastRepulsionXTB` or
+    :class:`FastDispersionD3` (again after patching twice: cheap)."""
+    pot.fast_cutoff_kind, pot.fast_cutoff_order, pot.fast_cutoff_eps = _cutoff_args(pot.cutoff_fn)

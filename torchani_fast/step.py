@@ -7,11 +7,13 @@ the atoms never change, only their positions. :class:`EnergyForcesStep` fixes
 the species (and the cell and pbc) once, and then each call
 
 - finds the neighbours with a fixed-capacity list (``max_pairs``; no sync),
-- computes the AEVs and the fused networks: on CUDA with the element groups
-  found at construction (no sync), on the CPU with groups found from each
-  call's AEVs as a model call finds them (the same bits as a model call),
-- adds the model's repulsion and dispersion (ANI-2xr, ANI-2dr, ...) from the
-  same neighbour list, on the CPU,
+- evaluates the model's own composition of its energy
+  (:class:`torchani_fast.core.ModelCore`: AEV, fused networks, repulsion and
+  dispersion of ANI-2xr, ANI-2dr, ... on the CPU, self energies) on that list,
+  without the per-call input checks (done once, at construction): the same
+  bits as a model call. On CUDA the networks use the element groups found at
+  construction (no sync); on the CPU, groups found from each call's AEVs, as a
+  model call finds them,
 
 so on CUDA the whole step, forces included, is captured once in a CUDA graph
 and replayed. Each call then checks the pair count (one sync, ~10 us), which
@@ -39,10 +41,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import ops
+from . import core, ops
 from .aev import AEVComputer, NeighborList
+from .core import Workspace, forces_of, require_tensors
 from .nn import FusedEnsemble, FusedNetworks
-from .evaluate import Workspace, forces_of, require_tensors
 from .patch import is_patched, kept_parts, nnp_of
 from .potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList
 from .validation import check_periodic_work
@@ -127,7 +129,6 @@ class EnergyForcesStep:
             raise unsupported
         nnp = nnp_of(model)
         nets = nnp.neural_networks
-        extra = _extra_potentials(model)
         if check_every < 0:
             raise ValueError(f"check_every must be >= 0, got {check_every}")
         if pbc is not None and not bool(pbc.any()):
@@ -142,12 +143,8 @@ class EnergyForcesStep:
         with torch.no_grad():
             elem = model.species_converter(species, nop=not model.periodic_table_index)
             num_pairs = search(model.neighborlist.strategy)(self.cutoff, elem, coords, cell, pbc).indices.shape[1]
-        # The self-energy sum of each molecule: refreshed in place (a captured graph
-        # reads this memory) when the shifter's energies change (load_state_dict, ...).
         self.elem = elem
-        self._shifter = model.energy_shifter
-        self.shift = self._shifter.self_energies.new_zeros(elem.shape[0])  # (M,), the model's dtype
-        self._refresh_shift()
+        self.model = model
         if max_pairs is None:
             max_pairs = _room(num_pairs)
         if max_pairs <= 0:
@@ -157,13 +154,11 @@ class EnergyForcesStep:
         # The pair count of the last call (a tensor written by the search; after a
         # CUDA graph replay, the replay's): read by check().
         self.num_pairs = torch.full((), -1, dtype=torch.long, device=coords.device)
-        self.potentials = list(extra.values())
-        self.aev_computer = AEVComputer(nnp.aev_computer.radial, nnp.aev_computer.angular,
-                                        nnp.aev_computer.num_species, nnp.aev_computer.triu_index,
-                                        self.neighborlist)
         self.networks = nets
-        # On the CPU the groups follow each call's geometry (_evaluate); a CUDA
-        # graph needs them fixed: found once, here.
+        # On the CPU the groups follow each call's geometry, as a model call finds
+        # them (layer 1 then skips the neighbour blocks that tiles of atoms lack:
+        # 1hz5's networks 37 ms instead of 43 on one thread with fixed groups); a
+        # CUDA graph needs them fixed: found once, here, and pinned at each call.
         self.groups = None if coords.device.type == "cpu" else nets.fixed_groups(elem)
         self.cell = cell
         self.pbc = pbc
@@ -176,7 +171,7 @@ class EnergyForcesStep:
         # The pair count, the static graph buffers and ``calls`` are shared by
         # every caller of this object: one call at a time (see the module doc).
         self._lock = threading.Lock()
-        reuses = Workspace.reuses(coords.shape[0] * coords.shape[1], self.aev_computer.out_dim, coords.dtype)
+        reuses = Workspace.reuses(coords.shape[0] * coords.shape[1], nnp.aev_computer.out_dim, coords.dtype)
         self._workspace = Workspace() if reuses else None
         use_graph = coords.device.type == "cuda" if cuda_graph is None else cuda_graph
         self._warm_up(coords, use_graph and coords.device.type == "cuda")
@@ -189,18 +184,6 @@ class EnergyForcesStep:
         dispersion)."""
         return _unsupported(model, torch.device(device)) is None
 
-    def _shifter_state(self) -> tp.Tuple[bool, int, int]:
-        energies = self._shifter.self_energies
-        return bool(self._shifter._enabled), energies.data_ptr(), energies._version
-
-    def _refresh_shift(self) -> None:
-        with torch.no_grad():
-            if self._shifter._enabled:
-                self.shift.copy_(self._shifter(self.elem))
-            else:
-                self.shift.zero_()
-        self._shift_seen = self._shifter_state()
-
     def _eager(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
         if self._workspace is None:
             return self._evaluate(x)
@@ -208,16 +191,11 @@ class EnergyForcesStep:
             return self._evaluate(x)
 
     def _evaluate(self, x: Tensor) -> tp.Tuple[Tensor, Tensor]:
-        neighbors, self.num_pairs = self.neighborlist.padded(self.cutoff, self.elem, x, self.cell,
-                                                             self.pbc, self.max_pairs)
-        aev = self.aev_computer.compute_from_neighbors(self.elem, x, neighbors)
-        # The CPU's groups as a model call finds them (layer 1 then skips the
-        # neighbour blocks that tiles of atoms lack: 1hz5's networks 37 ms instead
-        # of 43 on one thread with the construction's groups).
-        groups = self.networks.groups_of(self.elem, aev) if self.groups is None else self.groups
-        energies = self.networks.energies_fixed(self.elem, aev, groups) + self.shift
-        for pot in self.potentials:
-            energies = energies + pot.compute_from_neighbors(self.elem, x, neighbors).energies
+        # The model's own composition (core.ModelCore) on the fixed-capacity list.
+        found, self.num_pairs = core.neighbors(self.model, self.elem, x, self.cell, self.pbc, self.max_pairs,
+                                               search=self.neighborlist)
+        with self.networks.pinned(self.groups):
+            energies = self.model._energies_from_neighbors(self.elem, x, found)
         return energies.detach(), forces_of(energies, x)
 
     def _warm_up(self, coords: Tensor, capture: bool) -> None:
@@ -257,8 +235,6 @@ class EnergyForcesStep:
                 f"got {coords.dtype} on {coords.device}"
             )
         with self._lock:
-            if self._shifter_state() != self._shift_seen:
-                self._refresh_shift()
             if self._graph is not None:
                 with torch.no_grad():
                     self._static_x.copy_(coords)

@@ -26,6 +26,8 @@ import typing as tp
 
 import torch
 from torch import Tensor
+
+from . import ops
 try:
     from torchani.constants import PERIODIC_TABLE
     from torchani.nn import SpeciesConverter as _TorchaniSpeciesConverter
@@ -106,7 +108,7 @@ def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtyp
         raise ValueError("the inputs are on {} but the model is on {}".format(coords.device, device))
     if charge != 0:
         raise InputError("charge must be 0 (ANI models describe neutral molecules), got {}".format(charge))
-    if coords.device.type == "cpu" and torch.ops.torchani_fast.first_invalid_atom(species, coords.detach()) < 0:
+    if coords.device.type == "cpu" and ops.first_invalid_atom(species, coords.detach()) < 0:
         return  # one pass in C++ found nothing; the checks below word the error otherwise
     bad = species < -1
     if bool(bad.any()):
@@ -150,7 +152,7 @@ def check_cell_pbc(coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[T
             raise ValueError("cell is on {} but coords on {}".format(cell.device, coords.device))
         if not values:
             return
-        if cell.device.type == "cpu" and pbc is not None and torch.ops.torchani_fast.valid_cell(cell.detach(), pbc):
+        if cell.device.type == "cpu" and pbc is not None and ops.valid_cell(cell.detach(), pbc):
             return  # one C++ op found nothing (instead of ~15 ATen ops); the checks below word the error
         rows: tp.List[tp.List[float]] = cell.detach().tolist()
         if not bool(torch.isfinite(cell).all()):
@@ -173,11 +175,9 @@ class SpeciesConverter(_TorchaniSpeciesConverter):
 
     symbols_table: tp.List[str]
 
-    @classmethod
-    def from_torchani(cls, converter: torch.nn.Module) -> "SpeciesConverter":
-        converter.__class__ = cls
-        converter.symbols_table = list(PERIODIC_TABLE)
-        return converter
+    def _init_patched(self) -> None:
+        """What the class swap (:mod:`torchani_fast.patch`) adds to TorchANI's converter."""
+        self.symbols_table = list(PERIODIC_TABLE)
 
     def _supported(self) -> str:
         # In the model's element order (H, C, N, O, S, F, Cl for ANI-2x).
@@ -199,7 +199,7 @@ class SpeciesConverter(_TorchaniSpeciesConverter):
             return atomic_nums
         if atomic_nums.device.type == "cpu" and conv.dtype == torch.long and (
                 atomic_nums.dtype == torch.long or atomic_nums.dtype == torch.int):
-            elem_idxs, invalid = torch.ops.torchani_fast.convert_species(atomic_nums, conv)
+            elem_idxs, invalid = ops.convert_species(atomic_nums, conv)
             if invalid < 0:
                 return elem_idxs  # else the checks below word the error
         bad = (atomic_nums < -1) | (atomic_nums >= conv.shape[0] - 1)
@@ -215,19 +215,6 @@ class SpeciesConverter(_TorchaniSpeciesConverter):
             raise ValueError("unsupported element {} (atomic number {}) at {}; this model supports {}".format(
                 self.symbols_table[z], z, _where(i, atomic_nums.shape[-1]), self._supported()))
         return elem_idxs
-
-
-class ValidatedModel:
-    """Mixin for patched models: ``_check_inputs`` with real messages.
-
-    ``torchani.arch.ANI`` calls ``self._check_inputs(species, coords, charge)`` at
-    the start of every entry point (forward, atomic_energies, energies_qbcs,
-    compute_from_neighbors, ...); TorchScript compiles this override in its place.
-    """
-
-    def _check_inputs(self, species: Tensor, coords: Tensor, charge: int = 0) -> None:
-        reference = self.energy_shifter.self_energies
-        check_inputs(species, coords, charge, reference.dtype, reference.device)
 
 
 # -- one place that decides whether a cell is usable ---------------------------------------
@@ -287,7 +274,7 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
         return
     # One C++ op says whether the cell is finite and non-singular (most calls);
     # otherwise the element-wise checks below word the error.
-    if not (cell.device.type == "cpu" and bool(torch.ops.torchani_fast.valid_cell(cell.detach(), pbc))):
+    if not (cell.device.type == "cpu" and bool(ops.valid_cell(cell.detach(), pbc))):
         _check_cell_values(coords, cell, pbc)
     periodic: tp.List[bool] = pbc.tolist()
     if not (periodic[0] or periodic[1] or periodic[2]):

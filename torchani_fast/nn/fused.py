@@ -3,6 +3,7 @@
 How they work (the C++ op, zero blocks and chunks, packing and its caches,
 training, backward passes): docs/design.md.
 """
+import threading
 import typing as tp
 
 import torch
@@ -26,6 +27,7 @@ except ImportError:  # TorchANI 2.2.4: the base of torchani_fast.legacy's fused 
             self.active_members_idxs = [0]
             self.num_species = 0
 
+from .. import ops
 from .grouping import composition_groups, groups
 from .layout import (_activation_of, _aev_layout, _Layout, _zero_blocks_mean_no_neighbors,
                      charge_unsupported_reason, linears as _linears, unsupported_reason)
@@ -234,7 +236,10 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         k = len(self._evaluated_members())
         if k == 0:
             return aev.new_zeros((0, flat.shape[0]))
-        atoms, group_elem, group_mask, group_size = self._groups(flat, aev)
+        groups = None if torch.jit.is_scripting() else self._pinned_groups()
+        if groups is None:
+            groups = self._groups(flat, aev)
+        atoms, group_elem, group_mask, group_size = groups
         if len(group_size) == 0:
             return aev.new_zeros((k, flat.shape[0]))
         return self._grouped_atomic(flat.shape[0], aev, atoms, group_elem, group_mask, group_size,
@@ -256,10 +261,10 @@ class _FusedBase(_WeightPacks, AtomicContainer):
                 columns, first, packs, panels, layers = args
                 if molecules > 0:
                     divisor = len(self.active_members_idxs) if self.is_ensemble else 1
-                    return torch.ops.torchani_fast.ensemble_energies(
+                    return ops.ensemble_energies(
                         aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k,
                         molecules, divisor, self.zero_blocks_exact, self.activation)
-                return torch.ops.torchani_fast.ensemble_atomic(
+                return ops.ensemble_atomic(
                     aev.contiguous(), atoms, group_size, columns, first, packs, panels, layers, k,
                     self.zero_blocks_exact, self.activation)
         training = self._weights_epoch() < 0
@@ -313,7 +318,7 @@ class _FusedBase(_WeightPacks, AtomicContainer):
             first.append(select_columns(w1s[e], cols, cols.shape[0] == self.in_dim))
             packs.extend(hidden[e])
             layers.append(self.num_layers[e])
-        return torch.ops.torchani_fast.ensemble_train(
+        return ops.ensemble_train(
             aev, atoms, group_size, columns, first, packs, layers, len(act), self.small_group_atoms,
             self.activation)
 
@@ -377,6 +382,16 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         lack the same neighbour blocks side by side, so that layer 1 skips more of
         them (what :meth:`fixed_groups` cannot know before the geometry)."""
         return self._groups(elem_idxs.flatten(), aevs.flatten(0, 1))
+
+    @torch.jit.unused
+    def pinned(self, groups: tp.Optional[tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]]):
+        """A context in which this thread's calls use ``groups`` (from :meth:`fixed_groups`)
+        instead of finding them: no host synchronisation (``None``: find them)."""
+        return _Pinned(self, groups)
+
+    @torch.jit.unused
+    def _pinned_groups(self) -> tp.Optional[tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]]:
+        return getattr(_PINNED, "groups", {}).get(id(self))
 
     @torch.jit.unused
     def energies_fixed(
@@ -466,6 +481,31 @@ class _FusedBase(_WeightPacks, AtomicContainer):
             f"members={self.total_members_num}, active={self.active_members_idxs}, "
             f"zero-block skipping {skip}"
         )
+
+
+_PINNED = threading.local()  # .groups: {id(networks): groups} of this thread's pinned calls
+
+
+class _Pinned:
+    """:meth:`_FusedBase.pinned`'s context (nests; per thread)."""
+
+    def __init__(self, nets: torch.nn.Module, groups) -> None:
+        self._key, self._groups, self._before = id(nets), groups, None
+
+    def __enter__(self) -> None:
+        table = _PINNED.__dict__.setdefault("groups", {})
+        self._before = table.get(self._key)
+        if self._groups is None:
+            table.pop(self._key, None)
+        else:
+            table[self._key] = self._groups
+
+    def __exit__(self, *exc) -> None:
+        table = _PINNED.groups
+        if self._before is None:
+            table.pop(self._key, None)
+        else:
+            table[self._key] = self._before
 
 
 class FusedEnsemble(_FusedBase):

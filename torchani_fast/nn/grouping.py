@@ -15,6 +15,7 @@ import typing as tp
 
 import torch
 from torch import Tensor
+from .. import ops
 
 __all__ = ["groups", "composition_groups", "native_groups", "host_groups"]
 
@@ -29,7 +30,7 @@ def native_groups(flat: Tensor, aev: tp.Optional[Tensor], num_species: int, radi
     """``groups`` (with ``aev``) or ``composition_groups`` (without) in one C++
     pass over the atoms (``group_atoms``), for CPU tensors (an ATen version took
     ~15 small ops, 1.4-1.7 ms per call for 1 000-3 000 atoms)."""
-    atoms, info = torch.ops.torchani_fast.group_atoms(
+    atoms, info = ops.group_atoms(
         flat, num_species, aev, radial_sublen, split_min)
     rows: tp.List[tp.List[int]] = info.tolist()
     elems: tp.List[int] = []

@@ -89,8 +89,26 @@ def _wheel_build_options() -> dict:
     return {"build": {"build_base": base}, "egg_info": {"egg_base": base}}
 
 
+def _entry_points() -> dict:
+    """The console script and openmm-ml's potentials, one per model that the
+    registry (torchani_fast/registry.py, pure Python) offers to OpenMM."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_registry", os.path.join(HERE, "torchani_fast", "registry.py"))
+    registry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(registry)
+    factory = "torchani_fast.apps.openmm.mlpotential:ANIFastPotentialImplFactory"
+    return {
+        "console_scripts": ["torchani-fast = torchani_fast.apps.cli:main"],
+        # MLPotential("ani2x-fast") etc.: not openmm-ml's own names, which entry
+        # points of the same name would overwrite (torchani_fast/apps/openmm/).
+        "openmmml.potentials": [f"{name} = {factory}" for name in registry.openmm_names()],
+    }
+
+
 setup(
     packages=find_packages(include=["torchani_fast", "torchani_fast.*"]),
+    entry_points=_entry_points(),
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     options=_wheel_build_options(),

@@ -3,9 +3,6 @@
 >>> import torchani, torchani_fast
 >>> model = torchani_fast.patch(torchani.models.ANI2x())
 """
-import re
-
-
 def _check_not_source_tree() -> None:
     """Refuse, by name, a source checkout that shadows the installed package.
 
@@ -35,29 +32,10 @@ def _check_not_source_tree() -> None:
 _check_not_source_tree()
 
 import torch  # noqa: E402,F401  (loads libtorch, which _C links against)
-import torchani  # noqa: E402
 
-SUPPORTED_TORCHANI = "2.7-2.9"
-LEGACY_TORCHANI = "2.2.4"
-
-
-def _check_torchani_version(version: str) -> bool:
-    """Refuse a TorchANI older than 2.7 by name, except the legacy 2.2.4 (whose
-    models have another patch surface, torchani_fast.legacy), rather than fail
-    later on a missing module. Returns whether ``version`` is the legacy one."""
-    parts = [int(p) for p in re.findall(r"\d+", version)[:3]]
-    if len(parts) >= 2 and tuple(parts[:2]) < (2, 7):
-        if parts == [2, 2, 4]:
-            return True
-        raise ImportError(
-            f"torchani_fast supports TorchANI {SUPPORTED_TORCHANI} and the legacy "
-            f"{LEGACY_TORCHANI}, found TorchANI {version}: install `torchani>=2.7,<2.10` "
-            f"(or `torchani=={LEGACY_TORCHANI}` for the legacy API)"
-        )
-    return False
-
-
-_LEGACY = _check_torchani_version(getattr(torchani, "__version__", ""))
+from .compat import LEGACY_TORCHANI, SUPPORTED_TORCHANI, __version__  # noqa: E402
+from .compat import LEGACY as _LEGACY  # noqa: E402
+from .compat import check_torchani_version as _check_torchani_version  # noqa: E402,F401
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.torchani_fast.*)
@@ -69,7 +47,7 @@ except ImportError as exc:  # keep the real reason: a missing build, an ABI mism
     ) from exc
 
 from . import ops  # noqa: E402,F401  (fake kernels)
-from .evaluate import Workspace  # noqa: E402
+from .workspace import Workspace  # noqa: E402
 
 if _LEGACY:
     # TorchANI 2.2.4: patch() and the AEV computer of torchani_fast.legacy; the
@@ -87,12 +65,21 @@ if _LEGACY:
 else:
     from .aev import AEVComputer  # noqa: E402
     from .patch import is_patched, patch  # noqa: E402
-    from . import grad  # noqa: E402  (energies_forces_and_hessians)
+    from . import grad, models  # noqa: E402  (energies_forces_and_hessians; the factories)
     from .step import EnergyForcesStep  # noqa: E402
-    from .screen import screen  # noqa: E402  (the function; the module is sys.modules["torchani_fast.screen"])
+    from .screen import screen  # noqa: E402  (the function; the module is torchani_fast.apps.screen)
 
-__version__ = "0.1.0"
-__all__ = ["AEVComputer", "EnergyForcesStep", "Workspace", "patch", "is_patched", "ops", "grad",
+    # The library imports no application: model.ase() builds what is registered here.
+    from .mixins import register_front_end as _register_front_end  # noqa: E402
+
+    def _ase_calculator(model, **kwargs):
+        from .apps.ase import Calculator
+
+        return Calculator(model, **kwargs)
+
+    _register_front_end("ase", _ase_calculator)
+
+__all__ = ["AEVComputer", "EnergyForcesStep", "Workspace", "patch", "is_patched", "ops", "grad", "models",
            "cpu_isa", "screen", "__version__"]
 
 _ISA_LEVELS = ("none", "avx2", "avx512")

@@ -38,12 +38,14 @@ from ase.calculators.calculator import Calculator as _AseCalculator
 from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from .evaluate import Workspace, model_float
-from .validation import check_elements, check_periodic_work
+from .. import core
+from ..compat import LEGACY
+from ..core import STRESS_KINDS, model_float
+from ..validation import check_elements, check_periodic_work
+from ..workspace import Workspace
 
 __all__ = ["Calculator", "periodic_cell"]
 
-STRESS_KINDS = ("scaling", "fdotr", "numerical")
 
 
 def periodic_cell(atoms: ase.Atoms) -> np.ndarray:
@@ -111,11 +113,9 @@ def system_changes(old: tp.Optional[ase.Atoms], new: ase.Atoms, tol: float = 1e-
 def _steppable(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether non-periodic atoms go through :class:`~torchani_fast.step.GrowingStep`
     (an eager model patched by torchani_fast whose every part the step evaluates)."""
-    from . import _LEGACY
-
-    if _LEGACY:
+    if LEGACY:
         return False
-    from .step import EnergyForcesStep
+    from ..step import EnergyForcesStep
 
     return EnergyForcesStep.supports(model, device)
 
@@ -190,7 +190,6 @@ class Calculator(_AseCalculator):
         self._cell: tp.Optional[Tensor] = None
         self._pbc: tp.Optional[Tensor] = None
         self._volume = 0.0
-        self._eye = torch.eye(3, dtype=self._dtype, device=self._device)
         self._workspace = Workspace()  # the CPU ops' outputs reuse the last call's memory
         self._aev_features = int(getattr(getattr(model, "aev_computer", None), "out_dim", 0))
         # Non-periodic atoms of an eager patched model: a GrowingStep for the
@@ -302,7 +301,7 @@ class Calculator(_AseCalculator):
         species' :class:`~torchani_fast.step.GrowingStep`: the positions are
         copied into the step's input tensor, Hartree -> eV in float64."""
         if self._step is None:  # new atoms: a step sized on this geometry
-            from .step import GrowingStep
+            from ..step import GrowingStep
 
             # (eager on CUDA too: a captured graph would replay the weights it captured)
             self._step = GrowingStep(self.model, species, self._coords(), cuda_graph=False)
@@ -328,70 +327,10 @@ class Calculator(_AseCalculator):
                 atoms.set_positions(wrapped)
         reuse = Workspace.reuses(coords.shape[1], self._aev_features, self._dtype)
         with torch.enable_grad(), self._workspace if reuse else contextlib.nullcontext():
-            energy, forces, virial = self._evaluate(species, elem_idxs, coords, cell, pbc)
+            energy, forces, virial = core.energies_forces_virial(
+                self.model, species, elem_idxs, coords, cell, pbc, self._stress_kind, ase.units.Hartree)
         parts = [energy.detach().reshape(1), forces.reshape(-1)]
         if with_stress:
             parts.append((virial / self._volume).reshape(-1))
         # One device -> host copy for all results.
         return torch.cat(parts).cpu().numpy().astype(np.float64)
-
-    def _evaluate(self, species: Tensor, elem_idxs: Tensor, coords: Tensor,
-                  cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor]):
-        """Energy (eV), forces (eV/Å) and virial (eV, or None) of one structure."""
-        model = self.model
-        coords.requires_grad_(True)
-        if cell is None:
-            energy = model((species, coords), cell=None, pbc=None).energies * ase.units.Hartree
-            (grad,) = torch.autograd.grad(energy.sum(), coords)
-            return energy, -grad[0], None
-
-        kind = self._stress_kind
-        inputs = [coords]
-        if kind == "scaling":
-            # E(x F, cell F) with F = I + sym(strain): dE/dstrain at 0 is the virial.
-            strain = coords.new_zeros((3, 3), requires_grad=True)
-            deform = self._eye + 0.5 * (strain + strain.T)
-            x, c = coords @ deform, cell @ deform
-            inputs.append(strain)
-        else:
-            x, c = coords, cell
-        neighbors = model.neighborlist(model.cutoff, elem_idxs, x, c, pbc)
-        if kind == "fdotr":
-            from torchani.neighbors import Neighbors
-
-            diff = neighbors.diff_vectors
-            neighbors = Neighbors(neighbors.indices, diff.norm(2, -1), diff)
-            inputs.append(diff)
-        energy = model.compute_from_neighbors(elem_idxs, x, neighbors).energies * ase.units.Hartree
-        grads = torch.autograd.grad(energy.sum(), inputs)
-        if kind == "scaling":
-            virial = grads[1]
-        elif kind == "fdotr":
-            virial = grads[1].transpose(0, 1) @ diff.detach()
-        else:
-            virial = self._numerical_virial(elem_idxs, coords.detach(), cell, pbc)
-        return energy, -grads[0][0], virial
-
-    def _numerical_virial(self, elem_idxs: Tensor, coords: Tensor, cell: Tensor, pbc: Tensor) -> Tensor:
-        # Central differences of E(strain); the step balances truncation against
-        # the rounding of the energy (TorchANI's fixed 1e-6 gives zeros in float32).
-        eps = float(torch.finfo(coords.dtype).eps) ** (1.0 / 3.0)
-        model = self.model
-        virial = coords.new_zeros((3, 3))
-
-        def energy(deform: Tensor) -> Tensor:
-            x, c = coords @ deform, cell @ deform
-            nb = model.neighborlist(model.cutoff, elem_idxs, x, c, pbc)
-            return model.compute_from_neighbors(elem_idxs, x, nb).energies[0]
-
-        with torch.no_grad():
-            eye = torch.eye(3, dtype=coords.dtype, device=coords.device)
-            for i in range(3):
-                for j in range(i, 3):
-                    d = torch.zeros(3, 3, dtype=coords.dtype, device=coords.device)
-                    d[i, j] += 0.5 * eps
-                    d[j, i] += 0.5 * eps
-                    v = (energy(eye + d) - energy(eye - d)) / (2 * eps)
-                    virial[i, j] = virial[j, i] = v
-        return virial * ase.units.Hartree
-

@@ -25,7 +25,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from ._output import PartialFile, check_writable, terminate_as_interrupt, write_atomic
+from .output import PartialFile, check_writable, terminate_as_interrupt, write_atomic
 from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch,
                          frozen_copy, optimizer_class, plan_batches, progress)
 
@@ -72,7 +72,6 @@ class CLIError(Exception):
 # ---------------------------------------------------------------- helpers
 _DTYPES = {"float32": "float32", "f32": "float32", "float": "float32",
            "float64": "float64", "f64": "float64", "double": "float64"}
-_MODEL_CACHE: dict = {}
 
 
 def _model_name(text: str) -> str:
@@ -92,27 +91,25 @@ def _dtype_name(text: str) -> str:
 
 
 def _load_model(name: str, device: tp.Optional[str], dtype: str):
-    """The patched model (loaded once per process and arguments)."""
+    """The patched model (loaded once per process and arguments: models.load)."""
     import torch
 
-    from .models import MODELS
+    from .. import models
+
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device.startswith("cuda") and not torch.cuda.is_available():
         raise CLIError(f"--device {device}: CUDA is not available in this torch build or machine")
-    key = (name, device, dtype)
-    if key not in _MODEL_CACHE:
-        try:
-            _MODEL_CACHE[key] = MODELS[name](device=device, dtype=getattr(torch, dtype))
-        except Exception as exc:  # the weights are the usual culprit
-            data = os.environ.get("TORCHANI_DATA_DIR", "~/.local/share/Torchani (default)")
-            raise CLIError(
-                f"could not load {name} ({type(exc).__name__}: {exc}). TorchANI reads the "
-                f"weights from $TORCHANI_DATA_DIR/StateDicts (TORCHANI_DATA_DIR={data}); "
-                "offline, also set HF_HUB_OFFLINE=1"
-            ) from exc
-    return _MODEL_CACHE[key]
+    try:
+        return models.load(name, device=device, dtype=getattr(torch, dtype))
+    except Exception as exc:  # the weights are the usual culprit
+        data = os.environ.get("TORCHANI_DATA_DIR", "~/.local/share/Torchani (default)")
+        raise CLIError(
+            f"could not load {name} ({type(exc).__name__}: {exc}). TorchANI reads the "
+            f"weights from $TORCHANI_DATA_DIR/StateDicts (TORCHANI_DATA_DIR={data}); "
+            "offline, also set HF_HUB_OFFLINE=1"
+        ) from exc
 
 
 def _read(path: Path, index: str) -> list:
@@ -568,7 +565,7 @@ def _run_screen(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``torchani-fast`` argument parser (subcommands energy, optimize, md)."""
-    from . import __version__
+    from ..compat import __version__
 
     parser = argparse.ArgumentParser(
         prog="torchani-fast",

@@ -23,7 +23,7 @@ import typing as tp
 import uuid
 from pathlib import Path
 
-from ._screen_files import ScreenError, _Memory, _Partial, _entry, _write_energy
+from .screen_files import ScreenError, _Memory, _Partial, _entry, _write_energy
 from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch,
                          frozen_copy, optimizer_class, plan_batches)
 from .structures import progress as _progress_bar
@@ -33,7 +33,7 @@ __all__ = ["screen", "ScreenError", "local_cluster"]
 _FORMAT_VERSION = 2  # 2: a line per task
 _DESCRIBE_CHUNK = 1000  # frames described per task
 _TASK_ATOMS = 8192  # atoms per energy task, at most (consecutive batches joined)
-_WORKER_MODELS: dict = {}  # (model, device, dtype) -> patched model, one per worker process
+_WORKER_MODELS: set = set()  # the (model, device, dtype) this worker process has used
 _WORKER_LOADS = [0]  # how many models this process built (the tests read it)
 
 
@@ -254,16 +254,16 @@ def _worker_model(name: str, device: tp.Optional[str], dtype: str):
     """The patched model of this worker process, built on first use and kept."""
     import torch
 
-    from .models import MODELS
+    from .. import models
 
     torch.set_num_threads(1)  # one worker process = one core
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     key = (name, device, dtype)
-    if key not in _WORKER_MODELS:
-        _WORKER_MODELS[key] = MODELS[name](device=device, dtype=getattr(torch, dtype))
+    if key not in _WORKER_MODELS:  # (built by models.load, the one cache, on first use)
+        _WORKER_MODELS.add(key)
         _WORKER_LOADS[0] += 1
-    return _WORKER_MODELS[key]
+    return models.load(name, device=device, dtype=getattr(torch, dtype))
 
 
 def _worker_loads() -> int:

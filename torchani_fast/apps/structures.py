@@ -17,29 +17,22 @@ import math
 import sys
 import typing as tp
 
-from . import evaluate
+from .. import core, grad, registry
 
 __all__ = ["MODEL_NAMES", "CUTOFFS", "elements", "check_structure", "batch_key", "plan_batches",
            "evaluate_batch", "batch_results", "optimizer_class", "frozen_copy", "progress"]
 
-#: The models' names in lower case -> as spelled by :data:`torchani_fast.models.MODELS`.
-MODEL_NAMES = {name.lower(): name for name in (
-    "ANI2x", "ANI1x", "ANI1ccx", "ANI1xnr", "ANI2xr", "ANI2dr", "ANImbis", "ANIr2s",
-    "ANIr2s_water", "ANIr2s_ch3cn", "ANIr2s_chcl3", "SnnANI2xr")}
+#: The models' names in lower case -> as spelled by the registry (:mod:`torchani_fast.registry`).
+MODEL_NAMES = {spec.name.lower(): spec.name for spec in registry.MODELS}
 
-#: The models' neighbour cutoffs (Å): the largest of their potentials (ANI2dr's
-#: dispersion: 8.0; ANIr2s' repulsion has none), for the cell check before the
-#: model is loaded.
-CUTOFFS = {"ANI2x": 5.1, "ANI1x": 5.2, "ANI1ccx": 5.2, "ANI1xnr": 5.2, "ANI2xr": 5.2,
-           "ANI2dr": 8.0, "ANImbis": 5.1, "ANIr2s": math.inf, "ANIr2s_water": math.inf,
-           "ANIr2s_ch3cn": math.inf, "ANIr2s_chcl3": math.inf, "SnnANI2xr": 5.2}
+#: The models' neighbour cutoffs (Å): the largest of their potentials, for the cell
+#: check before the model is loaded.
+CUTOFFS = {spec.name: spec.cutoff for spec in registry.MODELS}
 
 
 def elements(name: str) -> tp.Tuple[str, ...]:
     """The element symbols model ``name`` covers (known without loading it)."""
-    from torchani.utils import SYMBOLS_1X, SYMBOLS_2X
-
-    return tuple(SYMBOLS_1X) if name in ("ANI1x", "ANI1ccx", "ANI1xnr") else tuple(SYMBOLS_2X)
+    return registry.by_name(name).elements
 
 
 def check_structure(name: str, where: str, atoms) -> None:
@@ -53,7 +46,7 @@ def check_structure(name: str, where: str, atoms) -> None:
     from ase.data import atomic_numbers
 
     from .ase import periodic_cell
-    from .validation import check_elements, check_periodic_work
+    from ..validation import check_elements, check_periodic_work
 
     if len(atoms) == 0:
         raise ValueError(f"{where}: no atoms")
@@ -114,14 +107,14 @@ def plan_batches(sizes: tp.Sequence[int], keys: tp.Sequence[tp.Hashable], batch_
 def evaluate_batch(model, batch: list, forces: bool, hessians: bool):
     """Energies (M,), forces (M, A, 3) or None and Hessians (M, 3A, 3A) or None of a
     batch of ASE Atoms (padded to the largest, one cell and pbc for all), on the
-    model's device and dtype, through :func:`torchani_fast.evaluate.energies_forces`
+    model's device and dtype, through :func:`torchani_fast.core.energies_forces`
     (or ``energies_forces_hessians``; energies only: one forward pass without
     gradients). Raises ``NotImplementedError`` when the model has no Hessians."""
     import torch
 
     from .ase import periodic_cell
 
-    ref = evaluate.model_float(model)
+    ref = core.model_float(model)
     amax = max(len(a) for a in batch)
     species = torch.full((len(batch), amax), -1, dtype=torch.long)
     coords = torch.zeros((len(batch), amax, 3), dtype=torch.float64)
@@ -135,9 +128,9 @@ def evaluate_batch(model, batch: list, forces: bool, hessians: bool):
         cell = torch.tensor(periodic_cell(first), dtype=ref.dtype, device=ref.device)
         pbc = torch.tensor(first.pbc, dtype=torch.bool, device=ref.device)
     if hessians:
-        e, f, h = evaluate.energies_forces_hessians(model, species, coords, cell, pbc)
+        e, f, h = grad.energies_forces_hessians(model, species, coords, cell, pbc)
     elif forces:
-        e, f = evaluate.energies_forces(model, species, coords, cell, pbc)
+        e, f = core.energies_forces(model, species, coords, cell, pbc)
         h = None
     else:  # energies only: no backward pass
         with torch.no_grad():

@@ -17,22 +17,20 @@ has a fixed capacity (see :class:`~torchani_fast.EnergyForcesStep`); if a
 denser configuration overflows it, the step is rebuilt with more room and the
 call recomputed, so no pair is ever dropped silently.
 """
-import threading
 import typing as tp
 
 import numpy as np
 import torch
 
+from ... import registry
+
 __all__ = ["ANIComputation", "HARTREE_TO_KJ_PER_MOL", "MODELS", "atomic_numbers_of",
            "create_python_force", "load_model", "resolve_device", "resolve_dtype"]
 
-#: openmm-ml names -> ``torchani_fast.models`` factories. openmm-ml's own
+#: openmm-ml names -> model names (the registry's ``openmm`` column). openmm-ml's own
 #: ``ani2x`` and ``ani1ccx`` are not reused: entry points of the same name
 #: overwrite each other in load order.
-# openmm-ml name -> torchani_fast.models factory. ANI-2xr adds TorchANI's xTB repulsion,
-# ANI-2dr repulsion and D3(BJ) dispersion (8 Å cutoff), both evaluated in the step.
-MODELS = {"ani2x-fast": "ANI2x", "ani1x-fast": "ANI1x", "ani1ccx-fast": "ANI1ccx",
-          "ani2xr-fast": "ANI2xr", "ani2dr-fast": "ANI2dr"}
+MODELS = registry.openmm_names()
 
 
 def _hartree_to_kj_per_mol() -> float:
@@ -68,8 +66,6 @@ def resolve_device(device: tp.Union[str, torch.device, None]) -> torch.device:
         raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from exc
 
 
-_MODEL_CACHE: tp.Dict[tuple, torch.nn.Module] = {}
-_MODEL_LOCK = threading.Lock()
 
 
 def load_model(name: str, model_index: tp.Optional[int], dtype: torch.dtype,
@@ -83,14 +79,9 @@ def load_model(name: str, model_index: tp.Optional[int], dtype: torch.dtype,
     if model_index is not None and (isinstance(model_index, bool) or not isinstance(model_index, int)
                                     or not 0 <= model_index < 8):
         raise ValueError(f"modelIndex must be an ensemble member 0-7 or None, got {model_index!r}")
-    key = (name, model_index, dtype, str(device))
-    with _MODEL_LOCK:
-        if key not in _MODEL_CACHE:
-            from .. import models
+    from ... import models
 
-            _MODEL_CACHE[key] = getattr(models, MODELS[name])(
-                model_index=model_index, dtype=dtype, device=device)
-        return _MODEL_CACHE[key]
+    return models.load(MODELS[name], model_index=model_index, dtype=dtype, device=device)
 
 
 def _describe(atom) -> str:
@@ -234,7 +225,7 @@ class ANIComputation:
 
     # ------------------------------------------------------------ evaluation
     def _build(self, pos_nm: np.ndarray) -> None:
-        from ..step import GrowingStep
+        from ...step import GrowingStep
 
         species = torch.tensor([self.atomic_numbers], dtype=torch.long, device=self.device)
         self._cell = self._pbc = None

@@ -92,7 +92,10 @@ def main() -> None:
                 e, f, h = torchani_fast.models.energies_forces_hessians(model, species[1:, :len(small)],
                                                                        coords[1:, :len(small)])
                 lines.append((f"{tag} hessians", digest(e, f, h)))
-            from torchani_fast.structures import evaluate_batch
+            try:
+                from torchani_fast.apps.structures import evaluate_batch
+            except ImportError:  # before the applications moved into torchani_fast.apps
+                from torchani_fast.structures import evaluate_batch
 
             e, f, _ = evaluate_batch(model, [ligand, small], True, False)
             lines.append((f"{tag} screening batch", digest(e, f)))

@@ -11,7 +11,7 @@ import torchani_fast
 
 from torchani_fast import ops
 
-from conftest import (NONPERIODIC, PERIODIC, aev_args, atoms_to_tensors, chloromethane, model_pair, read_molecule,
+from support import (NONPERIODIC, PERIODIC, aev_args, atoms_to_tensors, chloromethane, model_pair, read_molecule,
                       reference_model)
 
 

@@ -8,7 +8,7 @@ import torch
 
 import torchani_fast
 from torchani_fast import ops
-from conftest import atoms_to_tensors, read_molecule, reference_model
+from support import atoms_to_tensors, read_molecule, reference_model
 
 
 def aev_and_grad(aevc, species, coords, cell, pbc, weights):

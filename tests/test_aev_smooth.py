@@ -23,7 +23,7 @@ from torchani_fast import ops
 from torchani_fast.aev import AEVComputer, NeighborList, check_supported
 from torchani_fast.testing import random_model
 
-from conftest import atoms_to_tensors, read_molecule, tiny_consts, tiny_periodic_system
+from support import atoms_to_tensors, read_molecule, tiny_consts, tiny_periodic_system
 
 F64 = torch.float64
 # The factories whose AEV uses the smooth cutoff (ANIr2s_water, _ch3cn, _chcl3
@@ -459,7 +459,7 @@ def test_patched_model_energies_and_forces(model, dtype):
     # patch() swaps the AEV computer of the smooth-cutoff models too (the rest
     # of the model, here TorchANI's repulsion and networks, is not this test's
     # subject); energies and forces equal TorchANI's.
-    from conftest import energy_forces
+    from support import energy_forces
 
     ref = random_model(model, dtype=dtype)
     fast = torchani_fast.patch(copy.deepcopy(ref))

@@ -6,7 +6,7 @@ from ase.calculators.calculator import PropertyNotImplementedError
 
 import torchani.ase
 from torchani_fast.ase import Calculator
-from conftest import model_pair, read_molecule
+from support import model_pair, read_molecule
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import torchani.ase
-from torchani_fast import cli
-from conftest import MOLECULES, atoms_to_tensors, energy_forces, model_pair, read_molecule
+from torchani_fast import cli, models
+from support import MOLECULES, atoms_to_tensors, energy_forces, model_pair, read_molecule
 
 # The command line loads the published weights (and the references must match them).
 pytestmark = pytest.mark.usefixtures("weights")
@@ -30,7 +30,7 @@ def pair():
 @pytest.fixture(autouse=True)
 def preloaded(pair, monkeypatch):
     """Serve the patched float64 CPU model from the CLI's cache (no weights reloaded)."""
-    monkeypatch.setitem(cli._MODEL_CACHE, ("ANI2x", "cpu", "float64"), pair[1])
+    monkeypatch.setitem(models._LOADED, models.cache_key("ANI2x", dtype=torch.float64), pair[1])
 
 
 def run(*argv):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import torchani_fast
-from conftest import (MOLECULES, aev_args, assert_energies, assert_forces, atoms_to_tensors, energy_forces,
+from support import (MOLECULES, aev_args, assert_energies, assert_forces, atoms_to_tensors, energy_forces,
                       model_pair, read_molecule, reference_model)
 from networks_reference import make_groups, panels_of, reference
 

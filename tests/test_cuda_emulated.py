@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import aev_args, tiny_consts, tiny_periodic_system  # noqa: E402
-from test_cuda import (  # noqa: E402
+from support import aev_args, tiny_consts, tiny_periodic_system  # noqa: E402
+from support_cuda import (  # noqa: E402
     CUTOFF, SYSTEMS, diff_vectors, pair_set, random_model, to,
 )
 

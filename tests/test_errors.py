@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import chloromethane, energy_forces, model_pair
+from support import chloromethane, energy_forces, model_pair
 
 # A scripted model re-raises as torch.jit.Error, with the original message inside.
 ERRORS = (ValueError, RuntimeError, torch.jit.Error)

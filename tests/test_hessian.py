@@ -17,7 +17,7 @@ from torchani_fast import ops
 from torchani_fast.grad import energies_forces_and_hessians as one_pass_hessians
 from torchani_fast.grad import hessians_supported
 
-from conftest import (TINY_LEN, atoms_to_tensors, read_molecule, reference_model, tiny_consts,
+from support import (TINY_LEN, atoms_to_tensors, read_molecule, reference_model, tiny_consts,
                       tiny_periodic_system)
 
 F64 = torch.float64

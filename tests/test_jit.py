@@ -7,7 +7,7 @@ import textwrap
 
 import torch
 
-from conftest import atoms_to_tensors, energy_forces, model_pair, read_molecule
+from support import atoms_to_tensors, energy_forces, model_pair, read_molecule
 
 
 def test_script_save_load_roundtrip(tmp_path):

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
            "with torchani==2.2.4".format(getattr(torchani, "__version__", "?")))
 
 import torchani_fast  # noqa: E402
-from conftest import read_molecule  # noqa: E402
+from support import read_molecule  # noqa: E402
 
 INFO = {"ANI1x": "ani-1x_8x", "ANI2x": "ani-2x_8x", "ANI1ccx": "ani-1ccx_8x"}
 ELEMENTS = {"ANI1x": "HCNO", "ANI2x": "HCNOSFCl", "ANI1ccx": "HCNO"}

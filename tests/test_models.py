@@ -6,7 +6,7 @@ import torch
 import torchani
 
 import torchani_fast.models as fm
-from conftest import atoms_to_tensors, energy_forces, model_pair, read_molecule, reference_model
+from support import atoms_to_tensors, energy_forces, model_pair, read_molecule, reference_model
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,13 @@ from torchani.potentials import TwoBodyDispersionD3
 
 import torchani_fast
 import torchani_fast.models
-from torchani_fast import cli
+from torchani_fast import cli, models
 from torchani_fast.ase import Calculator
 from torchani_fast.patch import kept_parts
 from torchani_fast.potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList
-from torchani_fast.testing import random_model
 
-from conftest import energy_forces, read_molecule
+from support import energy_forces, read_molecule
+from support_models import assert_close, molecule, numbers_of, pair, stock
 
 FACTORIES = ["ANI1x", "ANI2x", "ANI1ccx", "ANI1xnr", "ANI2xr", "ANI2dr", "ANImbis", "ANIr2s",
              "ANIr2s_water", "ANIr2s_ch3cn", "ANIr2s_chcl3", "SnnANI2xr"]
@@ -41,63 +41,12 @@ FACTORIES = ["ANI1x", "ANI2x", "ANI1ccx", "ANI1xnr", "ANI2xr", "ANI2dr", "ANImbi
 KINDS = ["ANI2xr", "ANI2dr", "ANImbis", "ANIr2s", "SnnANI2xr", "ANI1xnr"]
 PERIODIC_OK = [n for n in FACTORIES if not n.startswith("ANIr2s")]  # ANIr2s: repulsion without cutoff
 
-_STOCK = {}
-
-
-def stock(name, dtype=torch.float64, model_index=0):
-    """TorchANI's model ``name`` with seeded random weights (built once, then copied)."""
-    key = (name, model_index)
-    if key not in _STOCK:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "ANIr2s is experimental"
-            _STOCK[key] = random_model(name, seed=0, model_index=model_index)
-    return copy.deepcopy(_STOCK[key]).to(dtype)
-
-
-def pair(name, dtype=torch.float64, model_index=0):
-    ref = stock(name, dtype, model_index)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the once-only fallback warning, tested below
-        fast = torchani_fast.patch(copy.deepcopy(ref))
-    return ref, fast
-
-
-def numbers_of(model):
-    return [int(z) for z in model.atomic_numbers]
-
-
-def molecule(model, n=20, seed=0, dtype=torch.float64):
-    """A compact cluster holding every element of ``model`` (jittered grid, 1.4 Å)."""
-    g = torch.Generator().manual_seed(seed)
-    k = 4
-    r = torch.arange(k, dtype=torch.float64) * 1.4
-    grid = torch.stack(torch.meshgrid(r, r, r, indexing="ij"), -1).view(-1, 3)
-    grid = grid - grid.mean(0)
-    pos = grid[grid.norm(dim=1).argsort()[:n]]
-    pos = pos + 0.12 * torch.randn(pos.shape, generator=g, dtype=torch.float64)
-    zs = numbers_of(model)
-    z = torch.tensor([zs[i % len(zs)] for i in range(n)])[torch.randperm(n, generator=g)]
-    return z.unsqueeze(0), pos.unsqueeze(0).to(dtype)
-
-
 def triclinic_water(dtype=torch.float64):
     atoms = read_molecule("water-0.8nm.xyz")
     frac = atoms.get_scaled_positions(wrap=False)
     atoms.set_cell([[8.0, 0.0, 0.0], [1.6, 7.7, 0.0], [-1.2, 0.9, 7.6]])
     atoms.set_scaled_positions(frac)
     return atoms
-
-
-def assert_close(got, expected, dtype, what="energies"):
-    if dtype == torch.float64:
-        atol = 1e-10 * max(1.0, float(expected.abs().max())) if what == "energies" else 1e-9
-        torch.testing.assert_close(got, expected, rtol=0, atol=atol)
-    elif what == "energies":  # a few ulps of the total energy (at least of 1 Ha: random
-        # weights give some models, e.g. ANI1xnr with zero self energies, tiny totals)
-        ulp = torch.finfo(torch.float32).eps * max(1.0, float(expected.abs().max()))
-        assert (got - expected).abs().max() <= 8 * ulp, (got, expected)
-    else:
-        torch.testing.assert_close(got, expected, rtol=0, atol=5e-5)
 
 
 # -- patch() on every factory ----------------------------------------------------------------
@@ -338,14 +287,14 @@ def test_pair_potentials_gradcheck_gradgradcheck():
 
 
 def test_d3_grid_check_refuses_a_non_product_grid():
-    from torchani_fast.potentials import d3_unsupported_reason, speed_up
+    from torchani_fast.potentials import d3_unsupported_reason, fast_unsupported_reason
 
     ref = stock("ANI2dr")
     pot = ref.potentials["dispersion_d3"]
     assert d3_unsupported_reason(pot) is None
     pot.precalc_coordnums_a[0, 1, 0, 0] += 0.5  # no longer the same for every partner
     assert "product grid" in d3_unsupported_reason(pot)
-    assert "product grid" in speed_up(pot)
+    assert "product grid" in fast_unsupported_reason(pot)
     assert type(pot) is TwoBodyDispersionD3
     with pytest.warns(UserWarning, match="TwoBodyDispersionD3 potential 'dispersion_d3'"):
         torchani_fast.patch(ref)
@@ -437,7 +386,7 @@ import sys, warnings, torch
 warnings.simplefilter("ignore")
 sys.path.insert(0, {tests!r})
 from test_models_new import pair, molecule, assert_close
-from conftest import energy_forces
+from support import energy_forces
 ref, fast = pair({name!r})
 species, coords = molecule(ref, 14)
 scripted = torch.jit.script(fast)
@@ -563,7 +512,6 @@ def test_energy_forces_step_with_pair_potentials(name, dtype):
     ref, fast = pair(name, dtype)
     species, coords = molecule(fast, 20, dtype=dtype)
     step = torchani_fast.EnergyForcesStep(fast, species, coords)
-    assert step.potentials == [p for k, p in fast.potentials.items() if k != "nnp"]
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = coords + 0.1 * torch.randn(coords.shape, generator=g, dtype=torch.float64).to(dtype)
@@ -571,6 +519,9 @@ def test_energy_forces_step_with_pair_potentials(name, dtype):
         e_ref, f_ref = energy_forces(ref, species, x)
         assert_close(e, e_ref, dtype)
         assert_close(f, f_ref, dtype, "forces")
+        # One composition of the energy (torchani_fast.core): the step's bits are a model call's.
+        e_model, f_model = fast.energies_forces(species, x)
+        assert torch.equal(e, e_model) and torch.equal(f, f_model)
 
 
 def test_energy_forces_step_with_dispersion_in_a_small_periodic_cell():
@@ -592,7 +543,6 @@ def test_energy_forces_step_with_dispersion_in_a_small_periodic_cell():
     fast._has_extra_potentials = fast._check_has_extra_potentials()
     ref._has_extra_potentials = ref._check_has_extra_potentials()
     step = torchani_fast.EnergyForcesStep(fast, species, coords, cell, pbc)
-    assert step.potentials == []
     e, f = step(x)
     e_ref, f_ref = energy_forces(ref, species, x, cell, pbc)
     assert_close(e, e_ref, torch.float64)
@@ -653,7 +603,7 @@ def test_factories_same_signature_and_patched(name):
 @pytest.mark.parametrize("name", ["ANI2dr", "ANImbis", "ANI1xnr"])
 def test_cli_energy(name, tmp_path, monkeypatch):
     ref, fast = pair(name)
-    monkeypatch.setitem(cli._MODEL_CACHE, (name, "cpu", "float64"), fast)
+    monkeypatch.setitem(models._LOADED, models.cache_key(name, dtype=torch.float64), fast)
     species, coords = molecule(ref, 12)
     import ase
     import ase.io

@@ -20,7 +20,7 @@ import torchani_fast
 from torchani_fast import ops
 from torchani_fast.aev import CELL_LIST_MIN_ATOMS, NeighborList
 
-from conftest import atoms_to_tensors, energy_forces, model_pair, read_molecule, reference_model
+from support import atoms_to_tensors, energy_forces, model_pair, read_molecule, reference_model
 
 CUTOFF = 5.1
 # Pairs this close to the cutoff may be kept by one method and not the other

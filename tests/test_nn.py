@@ -11,7 +11,7 @@ import torchani
 
 import torchani_fast
 from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, grouping, unsupported_reason
-from conftest import (BATCHES, assert_energies, assert_forces, energy_forces, model_pair, molecule_lists,
+from support import (BATCHES, assert_energies, assert_forces, energy_forces, model_pair, molecule_lists,
                       padded_batch, reference_model)
 
 

@@ -12,7 +12,7 @@ import torch
 
 import torchani_fast
 from torchani_fast.testing import random_model
-from conftest import (BATCHES, ISA_LEVELS, assert_energies, assert_forces, energy_forces, model_pair,
+from support import (BATCHES, ISA_LEVELS, assert_energies, assert_forces, energy_forces, model_pair,
                       padded_batch, reference_model, with_threads)
 from networks_reference import make_groups, panels_of, reference
 

@@ -16,7 +16,7 @@ import torchani_fast
 from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, unsupported_reason
 from torchani_fast.nn.layout import ACTIVATION_CELU, ACTIVATION_GELU
 from torchani_fast.testing import random_model
-from conftest import assert_energies, assert_forces, energy_forces, padded_batch
+from support import assert_energies, assert_forces, energy_forces, padded_batch
 from networks_reference import make_groups, panels_of, reference
 
 ops = torch.ops.torchani_fast

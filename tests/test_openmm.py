@@ -7,7 +7,6 @@ tests skip with the reason when they are absent.
 """
 import copy
 import math
-import tomllib
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from openmm import unit  # noqa: E402
 from torchani_fast.openmm import (  # noqa: E402
     HARTREE_TO_KJ_PER_MOL, ANIComputation, ANITorchForceModule, torch_force_module,
 )
+from torchani_fast import models  # noqa: E402
 from torchani_fast.openmm.force import load_model  # noqa: E402
 from torchani_fast.testing import random_molecule, water_box  # noqa: E402
 
@@ -46,8 +46,11 @@ def one_thread():
 
 
 def _entry_points():
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return meta["project"]["entry-points"]["openmmml.potentials"]
+    """torchani_fast's openmm-ml entry points as installed (setup.py makes them from the registry)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group="openmmml.potentials")
+            if ep.value.startswith("torchani_fast.")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -196,7 +199,7 @@ def test_repulsion_and_dispersion_models_vacuum_and_triclinic_box(name, monkeypa
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing kept as TorchANI's
         fast = torchani_fast.patch(copy.deepcopy(ref))
-    monkeypatch.setitem(force_module._MODEL_CACHE, (name, None, torch.float64, "cpu"), fast)
+    monkeypatch.setitem(models._LOADED, models.cache_key(force_module.MODELS[name], dtype=torch.float64), fast)
     for numbers, pos, box in [_molecule(name) + (None,), _triclinic_water()]:
         top = _topology(numbers, box, per_residue=3 if box is not None else None)
         system = MLPotential(name).createSystem(top, dtype=torch.float64, device="cpu")

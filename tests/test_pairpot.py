@@ -24,7 +24,7 @@ from torchani_fast import ops
 from torchani_fast.potentials import FastDispersionD3, FastRepulsionXTB
 from torchani_fast.testing import random_model, water_box
 
-from conftest import energy_forces
+from support import energy_forces
 
 _STOCK = {}
 

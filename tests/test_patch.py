@@ -6,7 +6,7 @@ import torch
 
 import torchani_fast
 
-from conftest import (NONPERIODIC, PERIODIC, atoms_to_tensors, chloromethane, energy_forces, model_pair,
+from support import (NONPERIODIC, PERIODIC, atoms_to_tensors, chloromethane, energy_forces, model_pair,
                       read_molecule, reference_model)
 
 

@@ -2,11 +2,10 @@
 objects shared by threads and the helpers' edge inputs (the CLI's outputs and
 options are in test_reliability_cli.py).
 
-Every case fails on the code before issue 31 (the comment says what it did),
-and every test runs under a SIGALRM deadline (``deadline`` fixture), so a hang
-or a runaway neighbour search fails instead of blocking the suite.
+Each case's comment says what goes wrong without the guarantee it tests, and
+every test runs under a SIGALRM deadline (``deadline`` fixture), so a hang or a
+runaway neighbour search fails instead of blocking the suite.
 """
-import signal
 import threading
 
 import numpy as np
@@ -18,27 +17,15 @@ from hypothesis import strategies as st
 
 from torchani_fast.models import ANI2x, energies_forces, energies_forces_hessians
 from torchani_fast.step import EnergyForcesStep
-from conftest import energy_forces, model_pair
-
-DEADLINE_S = 120
-
+from support import DEADLINE_S, energy_forces, model_pair
 
 def check_periodic_work(*args):
-    from torchani_fast.validation import check_periodic_work as check  # new in issue 31
+    from torchani_fast.validation import check_periodic_work as check
 
     return check(*args)
 
 
-@pytest.fixture(autouse=True)
-def deadline():
-    def expired(signum, frame):
-        raise TimeoutError(f"test ran past its {DEADLINE_S} s deadline")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(DEADLINE_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+pytestmark = pytest.mark.usefixtures("deadline")  # (conftest.py: a SIGALRM per test)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The ``torchani-fast`` command under failure: bad options and paths, bad input
 files, interruption (SIGINT in a subprocess) and errors mid-run.
 
-Guarantees tested (torchani_fast._output): outputs are written as NAME.partial
+Guarantees tested (torchani_fast.apps.output): outputs are written as NAME.partial
 and renamed to NAME on success; an interrupted or failed run leaves
 NAME.partial with the finished structures/frames and never touches an existing
 NAME; errors are one line on stderr, no traceback. Every subprocess has a
@@ -22,11 +22,11 @@ import pytest
 import torch
 from ase.build import molecule
 
-from torchani_fast import cli
+from torchani_fast import cli, models
 from torchani_fast.models import ANI2x
-from test_reliability import deadline  # noqa: F401 - the per-test SIGALRM deadline
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("deadline")  # (conftest.py: a SIGALRM per test)
 SENTINEL = "an earlier result the user keeps\n"
 
 
@@ -39,7 +39,7 @@ def model():
 def preloaded(model, monkeypatch):
     """Serve member 0 of ANI-2x from the CLI's cache (no weights loaded per run)."""
     for dtype in ("float64", "float32"):
-        monkeypatch.setitem(cli._MODEL_CACHE, ("ANI2x", "cpu", dtype),
+        monkeypatch.setitem(models._LOADED, models.cache_key("ANI2x", dtype=getattr(torch, dtype)),
                             model if dtype == "float64" else ANI2x(model_index=0))
 
 

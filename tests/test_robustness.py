@@ -8,7 +8,7 @@ import torchani_fast.grad
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import energy_forces, model_pair
+from support import energy_forces, model_pair
 
 ELEMENTS = [1, 6, 7, 8, 16, 9, 17]
 
@@ -177,7 +177,7 @@ def test_concurrent_calls_from_threads(pairs):
 
 
 def test_bitwise_reproducible(pairs):
-    from conftest import atoms_to_tensors, read_molecule
+    from support import atoms_to_tensors, read_molecule
 
     _, fast = pairs[torch.float32]
     species, coords, _, _ = atoms_to_tensors(read_molecule("small.xyz"), torch.float32)
@@ -211,7 +211,7 @@ def test_denormal_mode_of_the_caller(pairs, caller_flushes):
     cost 3-7% of a call of 264-3000 atoms) in their own threads only: the
     results do not depend on the caller's mode, and the caller's mode comes
     back."""
-    from conftest import atoms_to_tensors, read_molecule
+    from support import atoms_to_tensors, read_molecule
 
     ref, fast = pairs[torch.float32]
     species, coords, _, _ = atoms_to_tensors(read_molecule("small.xyz"), torch.float32)

@@ -25,7 +25,7 @@ distributed = pytest.importorskip("distributed")
 from torchani_fast import cli, screen as screen_fn  # noqa: E402
 
 screen_module = sys.modules["torchani_fast.screen"]
-files_module = sys.modules["torchani_fast._screen_files"]  # OUTPUT.partial and the final file
+files_module = sys.modules["torchani_fast.apps.screen_files"]  # OUTPUT.partial and the final file
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = Path(os.environ.get("TORCHANI_DATA_DIR", "~/.local/share/Torchani")).expanduser() / "StateDicts"
@@ -250,7 +250,7 @@ def test_bad_structures_are_reported_and_do_not_stop_the_run(cluster, tmp_path):
     assert cli.main(["energy", str(bad), "-t", "f64", "-d", "cpu", "--no-progress", "--scheduler",
                      cluster.scheduler.address, "-o", str(out)]) == 0
     data = json.loads(out.read_text())
-    # The local command's messages (torchani_fast.structures.check_structure).
+    # The local command's messages (torchani_fast.apps.structures.check_structure).
     assert (f"{bad}, frame 3: element Fe (atomic number 26) at atom 2 (counting from 0) is not "
             "supported by ANI2x") in data["structures"][3]["error"]
     assert f"{bad}, frame 8: atom 1 has non-finite coordinates" in data["structures"][8]["error"]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from torchani_fast.step import EnergyForcesStep
-from conftest import atoms_to_tensors, energy_forces, model_pair, read_molecule
+from support import atoms_to_tensors, energy_forces, model_pair, read_molecule
 
 F32_EPS = torch.finfo(torch.float32).eps
 

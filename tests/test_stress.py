@@ -19,7 +19,7 @@ import torchani.ase
 
 import torchani_fast
 
-from conftest import read_molecule, reference_model
+from support import read_molecule, reference_model
 
 KINDS = ["scaling", "fdotr"]
 # Benzene's stress is ~1e-3 eV/Å^3; float64 agreement is ~1e-13.

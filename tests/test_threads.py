@@ -14,7 +14,7 @@ import torchani_fast
 from torchani_fast.grad import energies_forces_and_hessians
 from torchani_fast.testing import random_ani2x, random_molecule, water_box
 
-from conftest import energy_forces, with_threads
+from support import energy_forces, with_threads
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ train -> eval -> train switch, against TorchANI in the same process."""
 import pytest
 import torch
 
-from conftest import model_pair, read_molecule
+from support import model_pair, read_molecule
 
 
 def mixed_batch(names, dtype, frames=3):

@@ -75,7 +75,7 @@ def both_aevs(ref, fast, elem, coords, cell=None, pbc=None, weights=None):
 
     TorchANI's AEV is computed from our neighbour list (its compute_from_neighbors),
     so that per-axis pbc in triclinic cells, which TorchANI's own list gets wrong
-    (test_robustness.py), compares the cutoff function alone."""
+    (test_properties.py), compares the cutoff function alone."""
     out = []
     for aevc in (fast, ref):
         x = coords.detach().clone().requires_grad_(True)

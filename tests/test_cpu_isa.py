@@ -21,7 +21,7 @@ import torch
 import torchani_fast
 from support import (MOLECULES, aev_args, assert_energies, assert_forces, atoms_to_tensors, energy_forces,
                       model_pair, read_molecule, reference_model)
-from networks_reference import make_groups, panels_of, reference
+from support_networks import make_groups, panels_of, reference
 
 op = torch.ops.torchani_fast.ensemble_mlp
 

@@ -204,7 +204,7 @@ def test_unsupported_model_is_named():
     aevc.radial.cutoff_fn = aevc.angular.cutoff_fn = CutoffBiweight()
     ref = copy.deepcopy(model)
     # A featurizer torchani_fast does not reproduce stays TorchANI's, with a warning
-    # naming it (tests/test_models_new.py tests the newer models).
+    # naming it (tests/test_model_variants.py tests the newer models).
     with pytest.warns(UserWarning, match="keeps TorchANI's AEV computer.*CutoffBiweight"):
         torchani_fast.patch(model)
     assert model.potentials["nnp"].aev_computer is aevc

@@ -8,7 +8,7 @@ and per group its element, the bitmask of elements whose columns it reads, and
 its size. One implementation for every device: the C++ pass
 ``torchani_fast::group_atoms``. Tensors on another device send it the species
 and, per atom, which elements it sees (an (atoms, elements) reduction made on
-that device), and get the atoms back (``host_groups``); ``tests/test_nn.py``
+that device), and get the atoms back (``host_groups``); ``tests/nn/test_fused_networks.py``
 checks both against the rule written in ATen ops.
 """
 import typing as tp

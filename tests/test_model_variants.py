@@ -385,7 +385,7 @@ _SCRIPT_CHECK = """
 import sys, warnings, torch
 warnings.simplefilter("ignore")
 sys.path.insert(0, {tests!r})
-from test_models_new import pair, molecule, assert_close
+from support_models import pair, molecule, assert_close
 from support import energy_forces
 ref, fast = pair({name!r})
 species, coords = molecule(ref, 14)

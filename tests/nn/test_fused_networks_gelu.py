@@ -17,7 +17,7 @@ from torchani_fast.nn import FusedEnsemble, FusedNetworks, fuse_networks, unsupp
 from torchani_fast.nn.layout import ACTIVATION_CELU, ACTIVATION_GELU
 from torchani_fast.testing import random_model
 from support import assert_energies, assert_forces, energy_forces, padded_batch
-from networks_reference import make_groups, panels_of, reference
+from support_networks import make_groups, panels_of, reference
 
 ops = torch.ops.torchani_fast
 F32_EPS = torch.finfo(torch.float32).eps

@@ -5,8 +5,7 @@ Guarantees tested (torchani_fast.apps.output): outputs are written as NAME.parti
 and renamed to NAME on success; an interrupted or failed run leaves
 NAME.partial with the finished structures/frames and never touches an existing
 NAME; errors are one line on stderr, no traceback. Every subprocess has a
-timeout; the in-process cases share the ``deadline`` fixture of
-test_reliability.
+timeout; the in-process cases run under conftest's ``deadline`` fixture.
 """
 import json
 import os
@@ -25,7 +24,7 @@ from ase.build import molecule
 from torchani_fast import cli, models
 from torchani_fast.models import ANI2x
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("deadline")  # (conftest.py: a SIGALRM per test)
 SENTINEL = "an earlier result the user keeps\n"
 

@@ -3,7 +3,7 @@ against plain PyTorch, and its first, second and third derivatives by
 gradcheck / gradgradcheck in float64.
 
 The reference evaluates each member's MLP with torch.nn.functional
-(networks_reference.reference_values); the op's backward formulas (the weight
+(support_networks.reference_values); the op's backward formulas (the weight
 gradients, the force loss's second derivatives, the recorded fallbacks) are
 checked against finite differences and against autograd through that reference.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torchani_fast  # noqa: F401  (loads the op)
-from networks_reference import make_groups, reference_values
+from support_networks import make_groups, reference_values
 
 op = torch.ops.torchani_fast.ensemble_train
 

@@ -755,7 +755,7 @@ def test_grouping_op_matches_the_rule_on_every_path(split_min_atoms):
 
 
 def test_unsupported_networks_are_reported():
-    # (exact GELU is fused since issue #32: tests/test_nn_gelu.py; its tanh form is not)
+    # (exact GELU is fused since issue #32: tests/nn/test_fused_networks_gelu.py; its tanh form is not)
     gelu = torchani.nn.ANINetworks.build(["H", "C"], 384, {"H": (16,), "C": (16,)},
                                          activation=torch.nn.GELU(approximate="tanh"), bias=True)
     assert "TightCELU" in unsupported_reason(gelu) and "tanh" in unsupported_reason(gelu)

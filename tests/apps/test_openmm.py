@@ -30,7 +30,7 @@ from torchani_fast.testing import random_molecule, water_box  # noqa: E402
 
 MLPotential = mlpotential.MLPotential
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = {"ani2x-fast": "ANI2x", "ani1x-fast": "ANI1x", "ani1ccx-fast": "ANI1ccx",
          "ani2xr-fast": "ANI2xr", "ani2dr-fast": "ANI2dr"}
 KJ_NM = HARTREE_TO_KJ_PER_MOL * 10.0  # Hartree/Å -> kJ/mol/nm

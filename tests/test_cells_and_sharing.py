@@ -1,6 +1,6 @@
 """Reliability around the model call: inconsistent periodic input, bounded work,
 objects shared by threads and the helpers' edge inputs (the CLI's outputs and
-options are in test_reliability_cli.py).
+options are in apps/test_cli_failures.py).
 
 Each case's comment says what goes wrong without the guarantee it tests, and
 every test runs under a SIGALRM deadline (``deadline`` fixture), so a hang or a

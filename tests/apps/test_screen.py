@@ -26,8 +26,8 @@ from torchani_fast import cli, screen as screen_fn  # noqa: E402
 
 screen_module = sys.modules["torchani_fast.screen"]
 files_module = sys.modules["torchani_fast.apps.screen_files"]  # OUTPUT.partial and the final file
-DATA = Path(__file__).parent / "data"
-ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[1] / "data"
+ROOT = Path(__file__).resolve().parents[2]
 WEIGHTS = Path(os.environ.get("TORCHANI_DATA_DIR", "~/.local/share/Torchani")).expanduser() / "StateDicts"
 pytestmark = pytest.mark.skipif(not (WEIGHTS / "ani2x_state_dict.pt").exists(),
                                 reason=f"ANI-2x weights not in {WEIGHTS} (set TORCHANI_DATA_DIR)")

@@ -1,6 +1,6 @@
 """The fused networks' C++ op (torchani_fast::ensemble_mlp) against plain PyTorch.
 
-The reference (tests/networks_reference.py) evaluates each member's MLP with
+The reference (tests/support_networks.py) evaluates each member's MLP with
 torch.nn.functional and takes J = d(sum over members)/d(input) by autograd:
 nothing of torchani_fast.nn is used.
 """
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchani_fast  # noqa: F401  (also loads the op)
-from networks_reference import make_groups, panels_of, reference, reference_values
+from support_networks import make_groups, panels_of, reference, reference_values
 
 op = torch.ops.torchani_fast.ensemble_mlp
 

@@ -182,7 +182,7 @@ def test_console_entry_point_subprocess(tmp_path):
     # The real entry point in a fresh interpreter: bad input fails before any model loads.
     bad = tmp_path / "fe.xyz"
     bad.write_text("1\n\nFe 0 0 0\n")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.run([sys.executable, "-m", "torchani_fast.cli", "energy", str(bad)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr

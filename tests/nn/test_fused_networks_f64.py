@@ -14,7 +14,7 @@ import torchani_fast
 from torchani_fast.testing import random_model
 from support import (BATCHES, ISA_LEVELS, assert_energies, assert_forces, energy_forces, model_pair,
                       padded_batch, reference_model, with_threads)
-from networks_reference import make_groups, panels_of, reference
+from support_networks import make_groups, panels_of, reference
 
 ops = torch.ops.torchani_fast
 op = ops.ensemble_mlp

@@ -144,7 +144,7 @@ def test_step_and_calculator_reuse_their_memory_for_large_systems():
     they skip it (it would do nothing). Results equal the model's."""
     import ase
 
-    from torchani_fast.evaluate import WORKSPACE_MIN_BYTES
+    from torchani_fast.workspace import WORKSPACE_MIN_BYTES
     from torchani_fast.testing import water_box
 
     ref, fast = model_pair("ANI2x", torch.float64)

@@ -638,13 +638,13 @@ def test_cli_refuses_periodic_anir2s_and_wrong_elements(tmp_path, capsys):
 def test_the_model_list_is_not_copied_per_potential(name, monkeypatch):
     # torchani_fast's AEV and pair ops skip pairs beyond their cutoff: the patched model
     # hands them its one list (TorchANI copies it per potential); the same numbers.
-    import torchani_fast.potentials as potentials
+    import torchani_fast.core as core
 
     ref, fast = pair(name)
     species, coords = molecule(fast, 20)
     scripted = torch.jit.script(fast)  # (before the counting function replaces TorchANI's)
     copies = []
-    monkeypatch.setattr(potentials, "discard_outside_cutoff",
+    monkeypatch.setattr(core, "discard_outside_cutoff",
                         lambda nb, cutoff: copies.append(cutoff) or discard_outside_cutoff(nb, cutoff))
     for model in (fast, scripted):
         e, f = energy_forces(model, species, coords)

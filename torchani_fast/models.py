@@ -13,6 +13,7 @@ arguments for the front ends (command line, OpenMM, screening workers). Weights 
 ``$TORCHANI_DATA_DIR/StateDicts`` (set ``HF_HUB_OFFLINE=1`` on machines
 without network access).
 """
+import inspect
 import threading
 import typing as tp
 
@@ -64,6 +65,11 @@ def _build(name: str, model_index: tp.Optional[int], neighborlist: str, strategy
     return model
 
 
+# TorchANI's factories' arguments, in their order (a row's extra ones follow).
+_COMMON: tp.Tuple[tp.Tuple[str, tp.Any], ...] = (
+    ("model_index", None), ("neighborlist", "auto"), ("strategy", "pyaev"), ("periodic_table_index", True),
+    ("device", None), ("dtype", None))
+
 _DOC = """{description}, patched by torchani_fast.
 
     Parameters
@@ -105,20 +111,21 @@ _DOC = """{description}, patched by torchani_fast.
 
 
 def _factory(spec: registry.ModelSpec) -> tp.Callable[..., torch.nn.Module]:
-    """The factory of one registry row (TorchANI's arguments, and the row's extra ones)."""
-    extra_names = tuple(k for k, _ in spec.extra)
+    """The factory of one registry row: TorchANI's arguments (and the row's extra ones), in its order."""
+    signature = inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+                                   for name, default in _COMMON + spec.extra])
 
-    def factory(model_index: tp.Optional[int] = None, neighborlist: str = "auto", strategy: str = "pyaev",
-                periodic_table_index: bool = True, device: tp.Union[str, torch.device, None] = None,
-                dtype: tp.Optional[torch.dtype] = None, **extra) -> torch.nn.Module:
-        unknown = sorted(set(extra) - set(extra_names))
-        if unknown:
-            raise TypeError(f"{spec.name}() got an unexpected keyword argument {unknown[0]!r}")
-        kwargs = dict(spec.extra)
-        kwargs.update(extra)
-        return _build(spec.name, model_index, neighborlist, strategy, periodic_table_index, device, dtype,
-                      **kwargs)
+    def factory(*args, **kwargs) -> torch.nn.Module:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{spec.name}(): {exc}") from None
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        common = [a.pop(name) for name, _ in _COMMON]
+        return _build(spec.name, *common, **a)
 
+    factory.__signature__ = signature
     indices = ", ".join(f"{e}={i}" for i, e in enumerate(spec.elements))
     extra_doc = "".join(f"\n    {k} : optional\n        Passed to ``torchani.models.{spec.name}`` "
                         f"(default {v!r})." for k, v in spec.extra)

@@ -8,12 +8,10 @@ OpenMM's XmlSerializer pickles it (``torchani_fast.openmm.force.ANIComputation``
 """
 import copy
 import pickle
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torchani
 
 import torchani_fast
 from support import energy_forces
@@ -22,13 +20,13 @@ FILES = Path(__file__).resolve().parent / "data" / "compat-0.1.0"
 
 
 def _stock(model):
-    """TorchANI's own model with the weights of ``model`` (the architecture of make.py)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        stock = torchani.arch.simple_ani(("H", "C", "O"), "wb97x-631gd", ensemble_size=2, radial_shifts=4,
-                                         angular_shifts=2, sections=2, cutoff_fn="cosine", repulsion=False,
-                                         activation="celu", bias=True,
-                                         self_energies={"H": -0.5, "C": -37.8, "O": -75.0})
+    """TorchANI's own model of make.py's architecture with the weights of ``model``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compat_make", FILES / "make.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    stock = make.small_model()
     stock.load_state_dict(model.state_dict())
     return stock
 

@@ -35,6 +35,7 @@ def main(path):
         vir = lmp.numpy.extract_compute("vir", LMP_STYLE_GLOBAL, LMP_TYPE_VECTOR)
         out["virial_pressure"] = [float(v) for v in vir]  # bar: xx yy zz xy xz yz
         out["volume"] = lmp.get_thermo("vol")
+        out["nktv2p"] = lmp.extract_global("nktv2p")
         out["x"] = list(lmp.gather_atoms("x", 1, 3))
         out["f"] = list(lmp.gather_atoms("f", 1, 3))
         out["type"] = list(lmp.gather_atoms("type", 0, 1))

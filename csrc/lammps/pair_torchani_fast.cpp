@@ -39,6 +39,7 @@
 #include "memory.h"
 #include "neighbor.h"
 #include "pair.h"
+#include "update.h"
 
 #ifndef TORCHANI_FAST_OPS_LIBRARY
 #define TORCHANI_FAST_OPS_LIBRARY ""
@@ -182,6 +183,9 @@ class PairTorchaniFast : public Pair {
     if (force->newton_pair == 0)
       error->all(FLERR, "pair_style torchani_fast requires newton pair on (the forces on ghost "
                         "atoms are summed back to their owners by LAMMPS)");
+    if (std::strcmp(update->unit_style, "metal") != 0)
+      error->all(FLERR, "pair_style torchani_fast requires units metal (eV, Å), got units {}",
+                 update->unit_style);
     if (type_to_z_.empty()) error->all(FLERR, "pair_style torchani_fast: pair_coeff * * ... is missing");
     // The model builds its own neighbor list from the coordinates; this
     // request only keeps LAMMPS's ghost and neighbor machinery set up.

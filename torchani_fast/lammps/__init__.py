@@ -16,6 +16,7 @@ Each MPI rank evaluates its local atoms with their ghost atoms; see docs/lammps.
 import typing as tp
 
 import torch
+import torchani
 from torch import Tensor
 
 import torchani_fast
@@ -35,7 +36,8 @@ class LocalEnergies(torch.nn.Module):
     ``forward(species, coords, n_local)`` takes atomic numbers ``(1, N)`` and
     non-periodic coordinates ``(1, N, 3)`` in Å of a rank's local atoms followed
     by its ghost atoms, and returns the atomic energies ``(n_local,)`` in eV of
-    the local atoms. Every atom within the model's cutoff of a local atom must be
+    the local atoms (TorchANI's Hartree times ``torchani.units.HARTREE_TO_EV``,
+    the factor TorchANI's ASE calculator uses). Every atom within the model's cutoff of a local atom must be
     among the N (LAMMPS's ghost atoms, whose cutoff the plugin sets from the
     model's); ghost atoms' own energies, which miss neighbors, are discarded.
     Pair potentials (ANI-2xr, ANI-2dr) split each pair's energy half and half
@@ -45,13 +47,14 @@ class LocalEnergies(torch.nn.Module):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
+        self.hartree_to_ev = float(torchani.units.HARTREE_TO_EV)
 
     def forward(self, species: Tensor, coords: Tensor, n_local: int) -> Tensor:
         model = self.model
         elem = model.species_converter(species)
         neighbors = model.neighborlist(model.cutoff, elem, coords, None, None)
         atomic = model.compute_from_neighbors(elem, coords, neighbors, atomic=True).energies
-        return atomic[0, :n_local]
+        return atomic[0, :n_local] * self.hartree_to_ev
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -66,7 +69,7 @@ def _metadata(model: torch.nn.Module) -> str:
     symbols = list(model.symbols)
     dtype = {torch.float32: "float32", torch.float64: "float64"}[_model_dtype(model)]
     lines = [f"format {FORMAT}", f"torchani_fast {torchani_fast.__version__}",
-             f"cutoff {float(model.cutoff)!r}", f"dtype {dtype}",
+             f"cutoff {float(model.cutoff)!r}", f"dtype {dtype}", "units metal",
              "elements " + " ".join(symbols), "atomic_numbers " + " ".join(map(str, numbers))]
     return "\n".join(lines) + "\n"
 
@@ -94,6 +97,7 @@ def read_metadata(path: str) -> tp.Dict[str, str]:
     files = {METADATA: ""}
     torch.jit.load(str(path), map_location="cpu", _extra_files=files)
     text = files[METADATA]
+    text = text.decode() if isinstance(text, bytes) else text
     if not text:
         raise ValueError(f"{path}: not a torchani_fast LAMMPS model file (no {METADATA} record)")
     return dict(line.split(" ", 1) for line in text.splitlines() if line)

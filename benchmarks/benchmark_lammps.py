@@ -81,6 +81,7 @@ velocity all create 300.0 4928459 mom yes rot yes
 timestep {dt}
 fix nve all nve
 thermo_style custom step pe ke etotal press
+thermo_modify format float %.8f
 thermo {thermo}
 run {warmup}
 run {steps}
@@ -126,11 +127,11 @@ def drift(plugin, workdir, steps):
     _, _, log = run_lammps(plugin, str(Path(workdir) / "f64.pt"), str(Path(workdir) / "drift.data"), 1,
                            steps, 0, workdir, thermo=max(1, steps // 20))
     rows = [line.split() for line in log.splitlines()
-            if re.match(r"^\s+\d+\s+-?[\d.]+\s+[\d.]+\s+-?[\d.]+\s+-?[\d.eE+-]+\s*$", line)]
+            if re.match(r"^\s*\d+(\s+-?[\d.]+){4}\s*$", line)]
     etot = [float(r[3]) for r in rows]
     ps = steps * 0.0005
     print(f"NVE drift, {len(atoms)} atoms, float64, 0.5 fs, {steps} steps ({ps:.2f} ps): "
-          f"E_total {etot[0]:.6f} -> {etot[-1]:.6f} eV, drift {(etot[-1] - etot[0]) / len(atoms) / ps:.2e} "
+          f"E_total {etot[0]:.8f} -> {etot[-1]:.8f} eV, drift {(etot[-1] - etot[0]) / len(atoms) / ps:.2e} "
           f"eV/atom/ps, max |dE| {max(abs(e - etot[0]) for e in etot):.2e} eV")
 
 

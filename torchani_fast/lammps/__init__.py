@@ -13,6 +13,7 @@ and in the LAMMPS input (``units metal``: eV and Å)::
 
 Each MPI rank evaluates its local atoms with their ghost atoms; see docs/lammps.md.
 """
+import copy
 import typing as tp
 
 import torch
@@ -88,7 +89,8 @@ def save(model: torch.nn.Module, path: str) -> None:
     if getattr(model, "periodic_table_index", True) is not True:
         raise ValueError("model: expected periodic_table_index=True (the plugin passes atomic numbers)")
     meta = _metadata(model)
-    module = torch.jit.script(LocalEnergies(model).cpu().eval())
+    # a copy: .cpu() and .eval() would change the caller's model in place
+    module = torch.jit.script(LocalEnergies(copy.deepcopy(model)).cpu().eval())
     torch.jit.save(module, str(path), _extra_files={METADATA: meta})
 
 

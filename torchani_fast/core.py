@@ -115,6 +115,16 @@ class ModelCore(_CoreBase):
         return EnergiesScalars(self._energies_from_neighbors(elem_idxs, coords, neighbors, charge, atomic,
                                                              ensemble_values))
 
+    @torch.jit.export
+    def local_atomic_energies(self, elem_idxs: Tensor, coords: Tensor, neighbors: Neighbors,
+                              num_local: int) -> Tensor:
+        """Atomic energies (M, A) in Hartree of which the first ``num_local`` atoms
+        of each row are exact: the others (a domain's ghost atoms) only take part
+        as neighbours; their networks are not evaluated and their entries are not
+        their energies. Pair potentials share each pair's energy half and half."""
+        self._check_inputs(elem_idxs, coords, 0)
+        return self._energies_from_neighbors(elem_idxs, coords, neighbors, 0, True, False, num_local)
+
     def _energies_from_neighbors(
         self,
         elem_idxs: Tensor,
@@ -123,17 +133,29 @@ class ModelCore(_CoreBase):
         charge: int = 0,
         atomic: bool = False,
         ensemble_values: bool = False,
+        num_local: int = -1,
     ) -> Tensor:
         """Energies in Hartree, (M,) (``atomic``: (M, A); ``ensemble_values``: a
         member axis first) of checked inputs: every enabled potential on its list,
-        in order, then the self energies."""
+        in order, then the self energies. ``num_local`` >= 0 (atomic energies
+        only): the networks run on the first ``num_local`` atoms of each row alone
+        (:meth:`local_atomic_energies`)."""
         energies = self._zero_energies(coords, elem_idxs.shape[0], atomic, ensemble_values)
         lists = self._neighbors_per_potential(neighbors)
         k = 0
         for pot in self.potentials.values():
             if pot._enabled:
-                result = pot.compute_from_neighbors(elem_idxs, coords, lists[k], charge, atomic, ensemble_values)
-                energies = energies + result.energies
+                if num_local >= 0 and hasattr(pot, "neural_networks") and hasattr(pot, "aev_computer"):
+                    # The AEVs of every atom (a local atom's reads its ghost neighbours),
+                    # the networks of the local atoms alone (the others as padding).
+                    aevs = pot.aev_computer.compute_from_neighbors(elem_idxs, coords, lists[k])
+                    local = elem_idxs.clone()
+                    local[:, num_local:] = -1
+                    energies = energies + pot.neural_networks(local, aevs, True, False)
+                else:
+                    result = pot.compute_from_neighbors(elem_idxs, coords, lists[k], charge, atomic,
+                                                        ensemble_values)
+                    energies = energies + result.energies
             k += 1
         return self._shifted(energies, elem_idxs, atomic)
 
@@ -156,6 +178,14 @@ class ModelCoreQ(_CoreBase):
                                                              ensemble_values)
         return EnergiesScalars(energies, qs)
 
+    @torch.jit.export
+    def local_atomic_energies(self, elem_idxs: Tensor, coords: Tensor, neighbors: Neighbors,
+                              num_local: int) -> Tensor:
+        """:meth:`ModelCore.local_atomic_energies` (here every atom's networks run:
+        the charge networks' output is per molecule)."""
+        self._check_inputs(elem_idxs, coords, 0)
+        return self._energies_from_neighbors(elem_idxs, coords, neighbors, 0, True, False, num_local)
+
     def _energies_from_neighbors(
         self,
         elem_idxs: Tensor,
@@ -164,8 +194,10 @@ class ModelCoreQ(_CoreBase):
         charge: int = 0,
         atomic: bool = False,
         ensemble_values: bool = False,
+        num_local: int = -1,
     ) -> Tensor:
-        """:meth:`ModelCore._energies_from_neighbors` (the charges dropped)."""
+        """:meth:`ModelCore._energies_from_neighbors` (the charges dropped; every
+        atom's networks run whatever ``num_local``)."""
         return self._energies_charges_from_neighbors(elem_idxs, coords, neighbors, charge, atomic,
                                                      ensemble_values)[0]
 
@@ -375,11 +407,11 @@ def numerical_virial(model: torch.nn.Module, elem_idxs: Tensor, coords: Tensor, 
 
 
 def local_energies(model: torch.nn.Module, elem_idxs: Tensor, coords: Tensor, num_local: int) -> Tensor:
-    """The energy (1,) of the first ``num_local`` atoms of one structure among
-    the rest (ghost atoms of a domain: LAMMPS), in Hartree: the sum of their
-    atomic energies, with pair potentials shared half and half (so the
-    domains' sums add up to the whole system's energy). ``coords`` (1, N, 3) are
-    Cartesian (no cell): the ghosts are the periodic images already."""
+    """The atomic energies (M, num_local) in Hartree of the first ``num_local``
+    atoms of each structure among the rest (a domain's ghost atoms: LAMMPS),
+    with pair potentials shared half and half, so that the domains' sums add up
+    to the whole system's energy; the networks of the other atoms are not run.
+    ``coords`` (M, N, 3) are Cartesian (no cell): the ghosts are the periodic
+    images already."""
     found, _ = neighbors(model, elem_idxs, coords, None, None)
-    atomic = model._energies_from_neighbors(elem_idxs, coords, found, 0, True, False)
-    return atomic[:, :num_local].sum(1)
+    return model.local_atomic_energies(elem_idxs, coords, found, num_local)[:, :num_local]

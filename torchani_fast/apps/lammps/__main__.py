@@ -6,7 +6,7 @@ import sys
 
 def _env() -> str:
     """Shell lines that let `lmp` and `mpiexec` run the plugin at full speed."""
-    from torchani_fast.lammps import environment
+    from . import environment
 
     return "\n".join(f"export {k}={v}${{{k}:+:${k}}}" for k, v in environment().items())
 
@@ -25,21 +25,20 @@ def main(argv=None) -> int:
     sub.add_parser("env", help="print the environment lines for lmp/mpiexec (eval them)")
     args = parser.parse_args(argv)
     if args.cmd == "build":
-        from torchani_fast.lammps import build
+        from . import build
 
         print(build(args.directory, verbose=args.verbose))
     elif args.cmd == "save":
         import torch
-        import torchani
 
-        import torchani_fast
-        from torchani_fast.lammps import save
+        from ... import models, registry
+        from . import save
 
-        factory = getattr(torchani.models, args.model, None)
-        if factory is None:
-            parser.error(f"model: unknown TorchANI model {args.model!r}")
-        model = torchani_fast.patch(factory().to(getattr(torch, args.dtype)))
-        save(model, args.path)
+        try:
+            name = registry.by_name(args.model).name
+        except ValueError as exc:
+            parser.error(f"model: {exc}")
+        save(models.MODELS[name](dtype=getattr(torch, args.dtype)), args.path)
         print(args.path)
     else:
         print(_env())

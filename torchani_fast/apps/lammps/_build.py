@@ -1,4 +1,4 @@
-"""Compile csrc/lammps/pair_torchani_fast.cpp into a LAMMPS plugin.
+"""Compile the plugin's source (torchani_fast/lammps/csrc/pair_torchani_fast.cpp) into a LAMMPS plugin.
 
 The plugin is compiled with the installed torch's C++ flags (include paths,
 C++ ABI, libtorch with an rpath to it), against the headers of the installed
@@ -23,12 +23,11 @@ SOURCE = "pair_torchani_fast.cpp"
 
 
 def _source_dir() -> Path:
-    """csrc/lammps in a source checkout, or the copy installed with the package."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "csrc", here.parents[1] / "csrc" / "lammps"):
-        if (candidate / SOURCE).is_file():
-            return candidate
-    raise FileNotFoundError(f"{SOURCE} not found next to {here} nor in the source tree's csrc/lammps")
+    """The plugin's source folder, installed with the package (package data)."""
+    folder = Path(__file__).resolve().parent / "csrc"
+    if not (folder / SOURCE).is_file():
+        raise FileNotFoundError(f"{SOURCE} is missing from {folder}: reinstall torchani_fast")
+    return folder
 
 
 def _lammps_paths() -> tp.Tuple[Path, str]:
@@ -62,9 +61,9 @@ def _mpi_include() -> Path:
 
 
 def _ops_library() -> str:
-    import torchani_fast._C as ops
+    from ... import _C
 
-    return str(Path(ops.__file__).resolve())
+    return str(Path(_C.__file__).resolve())
 
 
 def command(output: str) -> tp.List[str]:
@@ -72,7 +71,7 @@ def command(output: str) -> tp.List[str]:
     import torch
     from torch.utils import cpp_extension
 
-    import torchani_fast
+    from ...compat import __version__
 
     include, version = _lammps_paths()
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
@@ -81,7 +80,7 @@ def command(output: str) -> tp.List[str]:
     cmd = [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden", str(_source_dir() / SOURCE),
            "-o", output, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DLAMMPS_SMALLBIG",
            f"-DTORCHANI_FAST_LAMMPS_VERSION=\"{version}\"",
-           f"-DTORCHANI_FAST_VERSION=\"{torchani_fast.__version__}\"",
+           f"-DTORCHANI_FAST_VERSION=\"{__version__}\"",
            f"-DTORCHANI_FAST_OPS_LIBRARY=\"{_ops_library()}\"",
            f"-I{include}", f"-I{_mpi_include()}"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
@@ -89,10 +88,13 @@ def command(output: str) -> tp.List[str]:
     return cmd
 
 
+def plugin_path(directory: str) -> str:
+    """Where :func:`build` puts the plugin in ``directory``."""
+    return os.path.join(str(directory), "torchani_fast_lammps.so")
+
+
 def build(directory: str, verbose: bool = False) -> str:
     """Compile the plugin into ``directory`` (created if needed); returns its path."""
-    from torchani_fast.lammps import plugin_path
-
     os.makedirs(directory, exist_ok=True)
     output = plugin_path(directory)
     partial = output + ".partial"

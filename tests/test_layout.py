@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "torchani_fast"
 # The old import paths of modules that moved (each is the moved module itself):
 # they import what they stand for, and nothing imports them.
 ALIASES = {"torchani_fast.ase", "torchani_fast.cli", "torchani_fast.screen", "torchani_fast.evaluate", "torchani_fast.lammps",
+           "torchani_fast.batched", "torchani_fast.batched_md", "torchani_fast.torchsim",
            "torchani_fast.openmm", "torchani_fast.openmm.force", "torchani_fast.openmm.mlpotential",
            "torchani_fast.openmm.torchforce"}
 FACE = "torchani_fast"  # the package's __init__: the public names, the library's and the applications'

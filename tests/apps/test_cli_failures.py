@@ -226,7 +226,7 @@ def test_optimize_error_in_structure_k_keeps_the_finished_ones(capsys, tmp_path,
         return real(args, calc, opt_cls, p, frame, atoms)
 
     monkeypatch.setattr(cli, "_optimize_one", fails_third)
-    status, err = run(capsys, "optimize", path, "-o", out, "-d", "cpu", "--no-progress")
+    status, err = run(capsys, "optimize", path, "-o", out, "-d", "cpu", "--no-progress", "--per-structure")
     assert status == 1 and f"{path}, frame 2: structure 2 exploded" in err
     assert not out.exists()
     done = ase.io.read(str(out) + ".partial", index=":", format="extxyz")
@@ -274,7 +274,7 @@ def test_sigint_leaves_a_readable_partial_file_and_the_old_output(tmp_path, comm
     ase.io.write(path, waters(40) if command == "optimize" else waters(1), format="extxyz")
     out = tmp_path / "out.xyz"
     out.write_text(SENTINEL)
-    options = (["--fmax", "1e-5", "--steps", "300"] if command == "optimize"
+    options = (["--fmax", "1e-5", "--steps", "300", "--per-structure"] if command == "optimize"
                else ["--steps", "1000000", "--interval", "1", "--seed", "3"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchani_fast.cli", command, str(path), "-o", str(out), "-d", "cpu",

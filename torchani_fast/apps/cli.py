@@ -46,8 +46,12 @@ similar sizes (--batch-size).
 """
 
 OPTIMIZE_DOC = """\
-Relax atomic positions (the cell is kept fixed) with an ASE optimizer until the
-largest force is below --fmax. Writes every optimised structure to one extended
+Relax atomic positions (the cell is kept fixed) until the largest force is
+below --fmax. All structures are relaxed together (torchani_fast.batched:
+structures that converge leave the batch and waiting ones join, up to
+--max-atoms padded atoms per model call), each taking the steps of ASE's
+optimizer of that name on it alone; --per-structure relaxes one structure at a
+time through ASE. Writes every optimised structure to one extended
 XYZ file (energy in eV and forces in eV/Å, plus the source file, frame, step
 count and convergence flag in each frame's comment line) and prints a summary
 table. Exit status 0 even if some structures did not converge (the table says
@@ -254,6 +258,10 @@ def _run_optimize(args) -> int:
         return _run_screen(args)
     structures = _structures(args.files, args.index, args.model)
     model = _load_model(args.model, args.device, args.dtype)
+    if not args.per_structure:  # all structures in one batch
+        from . import optimize_batched
+
+        return optimize_batched.run(args, structures, model, _extxyz, _print_table, CLIError)
     calc = Calculator(model)
     opt_cls = optimizer_class(args.optimizer)
     rows = []
@@ -436,7 +444,7 @@ def _md_log_path(args) -> Path:
 def _option_errors(args) -> tp.List[str]:
     """What is wrong with the options and paths of ``args`` (checked before any work)."""
     errors = []
-    for name in ("batch_size", "steps", "interval"):
+    for name in ("batch_size", "steps", "interval", "max_atoms"):
         if getattr(args, name, 1) < 1:
             errors.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     fmax = getattr(args, "fmax", 1.0)
@@ -544,7 +552,8 @@ def _run_screen(args) -> int:
                 print(f"{len(results)} structure(s) -> {args.output}", file=sys.stderr)
         else:
             results = screen(args.files, "optimize", fmax=args.fmax, steps=args.steps,
-                             optimizer=args.optimizer, output=args.output, **common)
+                             optimizer=args.optimizer, per_structure=args.per_structure,
+                             output=args.output, **common)
             rows = [(r["file"], r["frame"], r["natoms"], r["steps"], r["converged"],
                      r["energy_start"], r["energy_final"], r["fmax"], r["seconds"])
                     for r in results if "error" not in r]
@@ -602,7 +611,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="convergence: largest force on any atom, eV/Å (default 0.01)")
     p.add_argument("--steps", type=int, default=1000, help="maximum optimiser steps per structure (default 1000)")
     p.add_argument("--optimizer", type=str.upper, choices=["BFGS", "LBFGS", "FIRE"], default="BFGS",
-                   help="ASE optimiser (default BFGS)")
+                   help="ASE's optimiser of that name, step for step (default BFGS)")
+    p.add_argument("--per-structure", action="store_true",
+                   help="relax one structure at a time through ASE (default: all together)")
+    p.add_argument("--max-atoms", type=int, default=4096,
+                   help="batched: padded atoms per model call at most (default 4096)")
     p.add_argument("-i", "--index", default=":",
                    help="frames to optimise from each file, as ase.io.read's index (default ':' = all)")
     p.add_argument("-o", "--output", type=Path, default=Path("optimized.xyz"),

@@ -335,6 +335,10 @@ def _optimize_task(spec: dict, batches: list) -> list:
     calc = Calculator(model)
     records, items, atoms_list = _checked(spec, [item for packed in batches
                                                  for item in _unpack(packed, spec["files"])])
+    if spec.get("batched"):
+        from .optimize_batched import task_records
+
+        return records + task_records(spec, items, atoms_list, model)
     for item, atoms in zip(items, atoms_list):
         try:
             atoms = atoms.copy()
@@ -552,7 +556,7 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
            scheduler: tp.Optional[str] = None, workers: tp.Optional[int] = None,
            model: str = "ANI2x", dtype: tp.Optional[str] = None, device: tp.Optional[str] = None,
            forces: bool = False, hessians: bool = False, index: str = ":", batch_size: int = 64,
-           fmax: float = 0.01, steps: int = 1000, optimizer: str = "BFGS",
+           fmax: float = 0.01, steps: int = 1000, optimizer: str = "BFGS", per_structure: bool = False,
            output: tp.Union[str, Path, None] = None, indent: tp.Optional[int] = 4,
            resume: bool = False, progress: bool = False, return_results: bool = True,
            callback: tp.Optional[tp.Callable[[list], None]] = None,
@@ -572,6 +576,9 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
     model, dtype, device, forces, hessians, index, batch_size, fmax, steps, optimizer
         As the command's options (``dtype`` defaults to float32 for energy and
         float64 for optimize; ``device`` to cuda if the worker has it, else cpu).
+        Each task relaxes its 64 structures as one batch
+        (:mod:`torchani_fast.batched`; the steps of ASE's optimiser on each
+        alone); ``per_structure=True`` relaxes 4 per task one at a time with ASE.
     output : str or Path, optional
         Final file: JSON (energy, with ``indent``) or extended XYZ (optimize),
         written at the end; records stream to ``OUTPUT.partial`` meanwhile.
@@ -630,6 +637,8 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
         spec.update(forces=bool(forces or hessians), hessians=bool(hessians), batch_size=batch_size)
     else:
         spec.update(fmax=float(fmax), steps=int(steps), optimizer=str(optimizer).upper())
+        # Each task's structures relaxed as one batch (torchani_fast.batched).
+        spec.update(batched=not per_structure)
     output = None if output is None else Path(output)
     sink = _Memory() if output is None else _Partial(output, spec, resume)
     close = lambda: None  # noqa: E731
@@ -657,7 +666,8 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
             fn, batches = _energy_task, _plan(meta, batch_size)
         else:
             good = [i for i, m in enumerate(meta) if m[2] is None]
-            fn, batches = _optimize_task, [good[s:s + 4] for s in range(0, len(good), 4)]
+            size = 64 if spec["batched"] else 4
+            fn, batches = _optimize_task, [good[s:s + size] for s in range(0, len(good), size)]
         batches = [[items[i] for i in b] for b in batches if any(i not in sink.done for i in b)]
         if command == "energy" and not hessians:
             tasks = _join_batches(batches, task_atoms, sum(client.nthreads().values()) or 1)

@@ -1,0 +1,129 @@
+"""Conformer relaxation throughput: batched L-BFGS/FIRE against one structure at a time through ASE.
+
+Workload (issue 59): N conformers of the 2iuz ligand (46 atoms; Gaussian noise of
+0.1-0.2 Å, drawn per conformer) and N frames of CH4-5.xyz, relaxed to
+fmax 0.01 eV/Å (at most --steps steps), ANI-2x in float64, torch with --threads threads.
+In one run:
+
+  * batched: :func:`torchani_fast.batched.optimize` on all 2N structures (in-flight
+    batching, --max-atoms padded atoms per call), with each of --optimizers
+    (BFGS: ASE's BFGS step for step, so the same steps as the per-structure runs);
+  * per-structure torchani_fast: ASE's BFGS on each structure alone with
+    torchani_fast's calculator (``patched.ase()``; what ``torchani-fast optimize``
+    does today), on the first --per-structure conformers and as many CH4 frames;
+  * stock TorchANI: ASE's BFGS with TorchANI's own calculator on the first
+    --stock conformers and as many CH4 frames.
+
+Printed: structures/s of each (the same conformer/CH4 mix, so comparable), the
+batched path's speed-up over the two others, the mean steps per structure (of
+the structures the per-structure torchani_fast run relaxed), and
+the final energies of the structures every path relaxed against per-structure
+BFGS: the largest (E_batched - E_BFGS)/atoms and how many are above 1e-5 eV/atom
+(a batched minimum that is lower is fine; higher means another, worse minimum).
+
+    python benchmarks/benchmark_batched_optimize.py [--n 1000] [--per-structure 50] [--stock 10]
+"""
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+
+
+def structures(n: int, seed: int = 0):
+    import ase.io
+
+    rng = np.random.default_rng(seed)
+    ligand = ase.io.read(DATA / "2iuz_ligand.xyz")
+    confs = []
+    for _ in range(n):
+        a = ligand.copy()
+        a.positions += rng.normal(scale=rng.uniform(0.1, 0.2), size=a.positions.shape)
+        confs.append(a)
+    frames = ase.io.read(DATA / "CH4-5.xyz", index=":")
+    return confs, [frames[k % len(frames)].copy() for k in range(n)]
+
+
+def per_structure(calc_factory, batch, fmax, steps):
+    """ASE BFGS on each structure alone: (seconds, energies eV, steps)."""
+    import ase.optimize
+
+    energies, counts = [], []
+    start = time.perf_counter()
+    calc = calc_factory()
+    for atoms in batch:
+        a = atoms.copy()
+        a.calc = calc
+        opt = ase.optimize.BFGS(a, logfile=None)
+        opt.run(fmax=fmax, steps=steps)
+        energies.append(a.get_potential_energy())
+        counts.append(opt.nsteps)
+    return time.perf_counter() - start, np.array(energies), np.array(counts)
+
+
+def main() -> None:
+    import torchani
+
+    import torchani_fast
+    from torchani_fast import batched
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=1000, help="conformers and CH4 frames each (default 1000)")
+    parser.add_argument("--per-structure", type=int, default=50,
+                        help="conformers (and CH4 frames) for per-structure torchani_fast BFGS")
+    parser.add_argument("--stock", type=int, default=10, help="conformers (and CH4 frames) for stock TorchANI")
+    parser.add_argument("--optimizers", default="BFGS,LBFGS", help="batched optimisers (default BFGS,LBFGS; FIRE too)")
+    parser.add_argument("--fmax", type=float, default=0.01)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--max-atoms", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    confs, ch4 = structures(args.n)
+    everything = confs + ch4
+    stock = torchani.models.ANI2x().double()
+    model = torchani_fast.patch(torchani.models.ANI2x().double())
+    print(f"{args.n} 2iuz conformers + {args.n} CH4-5 frames, fmax {args.fmax} eV/Å, ANI-2x float64, "
+          f"{torch.get_num_threads()} threads")
+
+    rows = []
+    k = min(args.per_structure, args.n)
+    t, e_ref, n_ref = per_structure(lambda: model.ase(), confs[:k] + ch4[:k], args.fmax, args.steps)
+    rows.append(("per-structure BFGS, torchani_fast", 2 * k / t, n_ref.mean()))
+    print(f"per-structure torchani_fast: {2 * k} structures in {t:.1f} s", flush=True)
+    ks = min(args.stock, k)
+    if ks:
+        t, e_stock, n_stock = per_structure(lambda: stock.ase(), confs[:ks] + ch4[:ks], args.fmax, args.steps)
+        rows.append(("per-structure BFGS, stock TorchANI", 2 * ks / t, n_stock.mean()))
+        print(f"per-structure stock TorchANI: {2 * ks} structures in {t:.1f} s", flush=True)
+    ref_rate = rows[0][1]
+    stock_rate = rows[1][1] if ks else float("nan")
+    natoms = np.array([len(a) for a in confs[:k] + ch4[:k]])
+    agreement = []
+    for name in args.optimizers.split(","):
+        start = time.perf_counter()
+        out = batched.optimize(model, everything, fmax=args.fmax, steps=args.steps, optimizer=name,
+                               max_atoms=args.max_atoms)
+        t = time.perf_counter() - start
+        steps = np.array([r.steps for r in out[:k]] + [r.steps for r in out[args.n:args.n + k]])
+        rows.append((f"batched {name}", len(everything) / t, steps.mean()))
+        print(f"batched {name}: {len(everything)} structures in {t:.1f} s", flush=True)
+        mine = np.array([r.energy for r in out[:k]] + [r.energy for r in out[args.n:args.n + k]])
+        d = (mine - e_ref) / natoms
+        unconverged = sum(not r.converged for r in out)
+        agreement.append((name, d.max(), int((d > 1e-5).sum()), 2 * k, unconverged))
+
+    print(f"{'path':38s} {'structures/s':>13s} {'mean steps':>11s} {'vs per-structure':>17s} {'vs stock':>9s}")
+    for name, rate, mean_steps in rows:
+        print(f"{name:38s} {rate:13.2f} {mean_steps:11.1f} {rate / ref_rate:16.2f}x {rate / stock_rate:8.2f}x")
+    for name, worst, above, count, unconverged in agreement:
+        print(f"batched {name}: largest (E - E_BFGS)/atoms {worst:.2e} eV; {above}/{count} above 1e-5 eV/atom; "
+              f"{unconverged} of {len(everything)} not converged in {args.steps} steps")
+
+
+if __name__ == "__main__":
+    main()

@@ -54,7 +54,7 @@ if _LEGACY:
     # rest of the package is written against TorchANI >= 2.7's modules.
     from .legacy import AEVComputer, is_patched, patch  # noqa: E402
 
-    _NEEDS_MODERN = ("grad", "EnergyForcesStep", "screen")
+    _NEEDS_MODERN = ("grad", "EnergyForcesStep", "screen", "models")
 
     def __getattr__(name: str):
         if name in _NEEDS_MODERN:

@@ -130,7 +130,7 @@ class NeighborList(torch.nn.Module):
                 cutoff, use_cells,
             )
             safe = pairs
-        diff, distances = ops.pair_vectors(coords.view(-1, 3), safe,
+        diff, distances = ops.pair_vectors(coords.reshape(-1, 3), safe,  # (a copy for expanded coords)
                                            None if cell is None else images, cell)
         return Neighbors(pairs, distances, diff), count
 

@@ -33,6 +33,7 @@ from torchani.neighbors import Neighbors, discard_outside_cutoff
 from torchani.tuples import EnergiesScalars
 
 from .potentials import runs_op
+from .validation import check_neighbors
 from .workspace import Workspace
 
 __all__ = ["EnergiesForces", "EnergiesForcesHessians", "ModelCore", "ModelCoreQ", "Workspace",
@@ -98,7 +99,7 @@ class ModelCore(_CoreBase):
     """Mixin of patched ``ANI`` models: the one composition of their energy.
 
     ``compute_from_neighbors`` is TorchANI's (the same in 2.7-2.9): the inputs
-    checked, then :meth:`_energies_from_neighbors`.
+    and the neighbour list checked, then :meth:`_energies_from_neighbors`.
     """
 
     @torch.jit.export
@@ -112,6 +113,7 @@ class ModelCore(_CoreBase):
         ensemble_values: bool = False,
     ) -> EnergiesScalars:
         self._check_inputs(elem_idxs, coords, charge)
+        check_neighbors(elem_idxs, neighbors)
         return EnergiesScalars(self._energies_from_neighbors(elem_idxs, coords, neighbors, charge, atomic,
                                                              ensemble_values))
 
@@ -123,6 +125,7 @@ class ModelCore(_CoreBase):
         as neighbours; their networks are not evaluated and their entries are not
         their energies. Pair potentials share each pair's energy half and half."""
         self._check_inputs(elem_idxs, coords, 0)
+        check_neighbors(elem_idxs, neighbors)
         return self._energies_from_neighbors(elem_idxs, coords, neighbors, 0, True, False, num_local)
 
     def _energies_from_neighbors(
@@ -174,6 +177,7 @@ class ModelCoreQ(_CoreBase):
         ensemble_values: bool = False,
     ) -> EnergiesScalars:
         self._check_inputs(elem_idxs, coords, charge)
+        check_neighbors(elem_idxs, neighbors)
         energies, qs = self._energies_charges_from_neighbors(elem_idxs, coords, neighbors, charge, atomic,
                                                              ensemble_values)
         return EnergiesScalars(energies, qs)
@@ -184,6 +188,7 @@ class ModelCoreQ(_CoreBase):
         """:meth:`ModelCore.local_atomic_energies` (here every atom's networks run:
         the charge networks' output is per molecule)."""
         self._check_inputs(elem_idxs, coords, 0)
+        check_neighbors(elem_idxs, neighbors)
         return self._energies_from_neighbors(elem_idxs, coords, neighbors, 0, True, False, num_local)
 
     def _energies_from_neighbors(

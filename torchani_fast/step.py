@@ -145,6 +145,8 @@ class EnergyForcesStep:
             num_pairs = search(model.neighborlist.strategy)(self.cutoff, elem, coords, cell, pbc).indices.shape[1]
         self.elem = elem
         self.model = model
+        # The model's dtype and device as built for (a step refuses to run after .double(), .to()...).
+        self._model_kind = self._kind_of(model)
         if max_pairs is None:
             max_pairs = _room(num_pairs)
         if max_pairs <= 0:
@@ -174,7 +176,22 @@ class EnergyForcesStep:
         reuses = Workspace.reuses(coords.shape[0] * coords.shape[1], nnp.aev_computer.out_dim, coords.dtype)
         self._workspace = Workspace() if reuses else None
         use_graph = coords.device.type == "cuda" if cuda_graph is None else cuda_graph
+        # What a copy is built from (__reduce__): the lock, graph and workspace are not copied.
+        self._made_from = (model, species, cell, pbc, dict(max_pairs=max_pairs, cuda_graph=cuda_graph,
+                                                           check_every=check_every))
         self._warm_up(coords, use_graph and coords.device.type == "cuda")
+
+    def __reduce__(self):
+        """``copy.deepcopy`` and ``pickle``: a new step built from the same model,
+        species, cell, pbc and options (and the warm-up geometry), with its own
+        lock, buffers and (on CUDA) graph."""
+        model, species, cell, pbc, kwargs = self._made_from
+        return (_rebuilt_step, (type(self), model, species, self._static_x.detach(), cell, pbc, kwargs))
+
+    @staticmethod
+    def _kind_of(model: torch.nn.Module) -> tp.Tuple[torch.dtype, torch.device]:
+        energies = model.energy_shifter.self_energies
+        return energies.dtype, energies.device
 
     @staticmethod
     def supports(model: torch.nn.Module, device: tp.Union[str, torch.device] = "cpu") -> bool:
@@ -235,6 +252,11 @@ class EnergyForcesStep:
                 f"got {coords.dtype} on {coords.device}"
             )
         with self._lock:
+            kind = self._kind_of(self.model)
+            if kind != self._model_kind:
+                raise ValueError(
+                    f"the model moved to {kind[0]} on {kind[1]} since this step was built for "
+                    f"{self._model_kind[0]} on {self._model_kind[1]}: build a new step")
             if self._graph is not None:
                 with torch.no_grad():
                     self._static_x.copy_(coords)
@@ -246,6 +268,10 @@ class EnergyForcesStep:
             if self.check_every and self.calls % self.check_every == 0:
                 ops.check_num_pairs(self.num_pairs, self.max_pairs)
         return energies, forces
+
+
+def _rebuilt_step(cls, model, species, coords, cell, pbc, kwargs):
+    return cls(model, species, coords, cell, pbc, **kwargs)
 
 
 class GrowingStep:

@@ -35,7 +35,7 @@ except ImportError:  # TorchANI 2.2.4 (torchani_fast.legacy): its converter is k
     from torchani.utils import PERIODIC_TABLE
     _TorchaniSpeciesConverter = torch.nn.Module
 
-__all__ = ["InputError", "DTYPE_RULE", "check_inputs", "check_cell_pbc", "SpeciesConverter"]
+__all__ = ["InputError", "DTYPE_RULE", "check_inputs", "check_neighbors", "check_cell_pbc", "SpeciesConverter"]
 
 DTYPE_RULE = """\
 The one dtype rule of a patched model (coords, cell and the model's floating dtype):
@@ -85,6 +85,11 @@ def _first(mask: Tensor) -> int:
 def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtype,
                  device: torch.device) -> None:
     """Validate ``species`` (M, A) and ``coords`` (M, A, 3) for a model of ``dtype`` on ``device``."""
+    if not torch.jit.is_scripting():  # (scripted, the signature already demands tensors)
+        for name, value in (("species", species), ("coords", coords)):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__module__}."
+                                f"{type(value).__name__}; convert it with torch.as_tensor({name})")
     if species.dtype != torch.long and species.dtype != torch.int:
         raise ValueError("species must be an integer tensor (int64 or int32), got {}".format(_dtype(species.dtype)))
     if species.dim() != 2:
@@ -120,6 +125,43 @@ def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtyp
         i = _first(bad)
         row: tp.List[float] = coords.detach().reshape(-1, 3)[i].tolist()
         raise ValueError("coords must be finite, got {} at {}".format(row, _where(i, species.shape[1])))
+
+
+def check_neighbors(elem_idxs: Tensor, neighbors: tp.Tuple[Tensor, Tensor, Tensor]) -> None:
+    """Validate a neighbour list handed to ``compute_from_neighbors``: indices (2, P)
+    into the M * A flattened atoms, distances (P,) and pair vectors (P, 3), finite.
+
+    The kernels read a negative index as an unused slot of a padded list and a
+    NaN pair as one beyond the cutoff, so without this a bad list gives a number.
+    One reduction per tensor and one host read when the list is good.
+    """
+    indices, distances, diff = neighbors[0], neighbors[1], neighbors[2]
+    if indices.dim() != 2 or indices.shape[0] != 2:
+        raise ValueError("neighbors.indices must have shape (2, pairs), got {}".format(list(indices.shape)))
+    num_pairs = indices.shape[1]
+    if distances.shape != (num_pairs,) or diff.shape != (num_pairs, 3):
+        raise ValueError("neighbors.distances and diff_vectors must have shapes ({},) and ({}, 3) for {} "
+                         "pairs, got {} and {}".format(num_pairs, num_pairs, num_pairs,
+                                                       list(distances.shape), list(diff.shape)))
+    if num_pairs == 0:
+        return
+    num_atoms = elem_idxs.numel()
+    bad = (indices.min() < 0) | (indices.max() >= num_atoms) | ~torch.isfinite(distances.detach().sum() + diff.detach().sum())
+    if not bool(bad):
+        return
+    outside = (indices < 0) | (indices >= num_atoms)
+    if bool(outside.any()):
+        p = _first(outside.any(0))
+        pair: tp.List[int] = indices[:, p].tolist()
+        raise ValueError("neighbors.indices must index the {} flattened atoms (0 to {}), got pair {} = {}".format(
+            num_atoms, num_atoms - 1, p, pair))
+    nonfinite = ~torch.isfinite(diff.detach()).all(-1) | ~torch.isfinite(distances.detach())
+    if bool(nonfinite.any()):
+        p = _first(nonfinite)
+        vector: tp.List[float] = diff[p].detach().tolist()
+        raise ValueError("neighbors must be finite, got distance {} and diff_vector {} at pair {}".format(
+            float(distances[p]), vector, p))
+    # (finite values whose sum overflowed: nothing wrong)
 
 
 def check_cell_pbc(coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor],

@@ -45,3 +45,7 @@ class Workspace:
 
     def __exit__(self, *exc) -> None:
         self._held.exit()
+
+    def __reduce__(self):
+        # The held memory is a cache: a copy (deepcopy, pickle) starts empty.
+        return (Workspace, ())

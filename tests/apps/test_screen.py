@@ -275,9 +275,11 @@ def test_partial_file_is_never_overwritten_or_mixed(cluster, tmp_path):
         screen_fn([path], client=cluster, output=out, resume=True)
     partial.write_text(json.dumps({"torchani_fast_screen": {"version": 1, "files": [str(path)]}}) + "\n")
     with pytest.raises(screen_module.ScreenError, match=r"another torchani_fast \(partial file "
-                                                         r"format 1, this one writes 2\)"):
+                                                         r"format 1, this one writes 3\)"):
         screen_fn([path], client=cluster, output=out, resume=True)
-    assert cli.main(["energy", str(path), "--resume", "-o", str(out)]) == 1  # needs a cluster
+    with pytest.raises(SystemExit) as exc:  # needs a cluster: a usage error
+        cli.main(["energy", str(path), "--resume", "-o", str(out)])
+    assert exc.value.code == 2
 
 
 @pytest.mark.time_limit(180)

@@ -120,6 +120,18 @@ def _steppable(model: torch.nn.Module, device: torch.device) -> bool:
     return EnergyForcesStep.supports(model, device)
 
 
+class _ScriptedArchive:
+    """A scripted model in a copied or pickled calculator: its ``torch.jit.save`` archive."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def load(self) -> torch.jit.ScriptModule:
+        import io
+
+        return torch.jit.load(io.BytesIO(self.data))
+
+
 class Calculator(_AseCalculator):
     """ASE calculator that evaluates a TorchANI model once per geometry.
 
@@ -161,27 +173,45 @@ class Calculator(_AseCalculator):
     def __init__(self, model: torch.nn.Module, overwrite: bool = False,
                  stress_kind: str = "scaling", **kwargs):
         super().__init__(**kwargs)
-        if hasattr(model, "periodic_table_index") and not model.periodic_table_index:
-            raise ValueError(
-                "the ASE calculator needs a model with periodic_table_index=True "
-                "(species given as atomic numbers)"
-            )
         if stress_kind not in STRESS_KINDS:
             raise ValueError(f"stress_kind must be one of {STRESS_KINDS}, got {stress_kind!r}")
-        ref = model_float(model)
         self.model = model
-        self._device = ref.device
-        self._dtype = ref.dtype
         self._overwrite = overwrite
         self._stress_kind = stress_kind
-        numbers = getattr(model, "atomic_numbers", None)
-        self._supported = None if numbers is None else sorted(int(z) for z in numbers.tolist())
         # ASE keeps the last atoms and results on the calculator: one lock spans
         # check_state, calculate and the copy of the result (re-entrant, since
         # get_property calls calculate).
         self._lock = threading.RLock()
         self._directory_made: tp.Optional[str] = None
         self.evaluations = 0
+        self._bind()
+
+    # ------------------------------------------------------------ model state
+    def _model_key(self) -> tuple:
+        """What the cached tensors and step were built from: the model object,
+        its dtype and device, and the storage of its first parameter (a new
+        one after ``.to()``, ``.double()``...). Weights changed in place
+        (``load_state_dict``, an optimizer) need no rebuild: the step and the
+        model read them at every call."""
+        ref = model_float(self.model)
+        return (id(self.model), ref.dtype, ref.device, ref.data_ptr())
+
+    def _bind(self) -> None:
+        """(Re)build everything derived from ``self.model``: dtype, device,
+        supported elements and the caches of input tensors and step."""
+        model = self.model
+        if hasattr(model, "periodic_table_index") and not model.periodic_table_index:
+            raise ValueError(
+                "the ASE calculator needs a model with periodic_table_index=True "
+                "(species given as atomic numbers)"
+            )
+        ref = model_float(model)
+        self._bound_model = model  # (kept alive, so its id is not reused while compared)
+        self._key = (id(model), ref.dtype, ref.device, ref.data_ptr())
+        self._device = ref.device
+        self._dtype = ref.dtype
+        numbers = getattr(model, "atomic_numbers", None)
+        self._supported = None if numbers is None else sorted(int(z) for z in numbers.tolist())
         # Input tensors kept between calls: rebuilt only when what they encode changes.
         self._numbers: tp.Optional[np.ndarray] = None
         self._species: tp.Optional[Tensor] = None
@@ -197,6 +227,38 @@ class Calculator(_AseCalculator):
         # change; its input tensor is refilled in place).
         self._steppable = _steppable(model, self._device)
         self._step = None
+
+    def _check_model(self) -> None:
+        """Rebuild the caches if the model was replaced (``calc.model = other``)
+        or moved (``.double()``, ``.to(device)``) since they were built; the
+        last results no longer hold then either."""
+        if self.model is not self._bound_model or self._model_key() != self._key:
+            self._bind()
+            self.results = {}
+            self.atoms = None
+
+    def __getstate__(self) -> dict:
+        """The calculator without its lock and caches (rebuilt by ``__setstate__``):
+        what ``copy.deepcopy`` and ``pickle`` take, as for TorchANI's calculator."""
+        state = self.__dict__.copy()
+        for name in ("_lock", "_bound_model", "_key", "_numbers", "_species", "_elem_idxs", "_cell_key",
+                     "_cell", "_pbc", "_volume", "_eye", "_workspace", "_aev_features", "_steppable",
+                     "_step", "_device", "_dtype", "_supported"):
+            state.pop(name, None)
+        if isinstance(self.model, torch.jit.ScriptModule):  # (pickle takes no ScriptModule: its archive)
+            import io
+
+            archive = io.BytesIO()
+            torch.jit.save(self.model, archive)
+            state["model"] = _ScriptedArchive(archive.getvalue())
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if isinstance(self.model, _ScriptedArchive):
+            self.model = self.model.load()
+        self._lock = threading.RLock()
+        self._bind()
 
     @property
     def device(self) -> torch.device:
@@ -244,6 +306,7 @@ class Calculator(_AseCalculator):
     def get_property(self, name, atoms=None, allow_calculation=True):
         """ASE's ``get_property`` under the calculator's lock (see the module doc)."""
         with self._lock:
+            self._check_model()  # (results of another model are not served from the cache)
             return super().get_property(name, atoms, allow_calculation)
 
     def calculate(self, atoms: tp.Optional[ase.Atoms] = None,
@@ -265,6 +328,7 @@ class Calculator(_AseCalculator):
             self._calculate(atoms, properties, system_changes)
 
     def _calculate(self, atoms, properties, system_changes) -> None:
+        self._check_model()
         if atoms is not None:
             self.atoms = atoms.copy()
         if self._directory_made != self.directory:  # the base's other task (a stat), once per directory

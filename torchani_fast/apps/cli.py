@@ -10,7 +10,7 @@ Any format ASE reads is accepted; extended XYZ ``Lattice=``/``pbc=`` (and the ce
 of any other periodic format) is honoured. Options, input files and output
 paths are checked before any work; errors are one line on stderr naming the
 file and frame (exit status 1). Output files are written as ``NAME.partial``
-and renamed to ``NAME`` when the run succeeds (see ``torchani_fast._output``):
+and renamed to ``NAME`` when the run succeeds (see ``torchani_fast.apps.output``):
 an interrupted run leaves ``NAME.partial`` with the finished structures or
 frames and never touches an existing ``NAME``. Model weights are read by TorchANI
 from ``$TORCHANI_DATA_DIR/StateDicts`` (default ``~/.local/share/Torchani``);
@@ -388,7 +388,7 @@ def _run_md(args) -> int:
     except (ValueError, RuntimeError) as exc:
         raise CLIError(f"{args.file}, frame {frame}: {exc}") from exc
     # Frames and log lines go to OUTPUT.partial and LOG.partial as they come;
-    # both are renamed when every step is done (see torchani_fast._output).
+    # both are renamed when every step is done (see torchani_fast.apps.output).
     traj = PartialFile(args.output)
     log = PartialFile(log_path)
     logger = MDLogger(dyn, atoms, log.file, header=True, stress=False, peratom=False)
@@ -444,9 +444,16 @@ def _md_log_path(args) -> Path:
 def _option_errors(args) -> tp.List[str]:
     """What is wrong with the options and paths of ``args`` (checked before any work)."""
     errors = []
-    for name in ("batch_size", "steps", "interval", "max_atoms"):
-        if getattr(args, name, 1) < 1:
-            errors.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("batch_size", "steps", "interval", "workers", "max_atoms"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            errors.append(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    seed = getattr(args, "seed", None)
+    if seed is not None and seed < 0:
+        errors.append(f"--seed must be an integer >= 0, got {seed}")
+    if getattr(args, "resume", False) and not (args.scheduler or args.workers):
+        errors.append("--resume needs --scheduler or --workers (it continues a cluster run's "
+                      "OUTPUT.partial)")
     fmax = getattr(args, "fmax", 1.0)
     if not (math.isfinite(fmax) and fmax > 0):
         errors.append(f"--fmax must be a finite number > 0 (eV/Å), got {fmax}")
@@ -474,8 +481,9 @@ def _option_errors(args) -> tp.List[str]:
                           "pass --log with another name")
         if _same_file(args.output, args.file) or _same_file(_md_log_path(args), args.file):
             errors.append(f"the output would overwrite the input {args.file}")
-    if args.command == "optimize" and any(_same_file(args.output, p) for p in args.files):
-        errors.append(f"-o {args.output} would overwrite an input file")
+    if args.command in ("energy", "optimize") and args.output is not None:
+        errors += [f"-o {args.output} would overwrite the input file {p}"
+                   for p in args.files if _same_file(args.output, p)][:1]
     return errors
 
 
@@ -489,9 +497,10 @@ def _check_paths(args) -> None:
     outputs = [("-o", args.output)] if getattr(args, "output", None) is not None else []
     if args.command == "md":
         outputs.append(("--log", _md_log_path(args)))
+    inputs = [p for p in getattr(args, "files", None) or [getattr(args, "file", None)] if p is not None]
     for option, path in outputs:
         try:
-            check_writable(path, option)
+            check_writable(path, option, inputs)
         except OSError as exc:
             raise CLIError(str(exc)) from None
 

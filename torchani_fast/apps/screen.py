@@ -23,6 +23,7 @@ import typing as tp
 import uuid
 from pathlib import Path
 
+from .output import atomic_file, check_not_input
 from .screen_files import ScreenError, _Memory, _Partial, _entry, _write_energy
 from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch,
                          frozen_copy, optimizer_class, plan_batches)
@@ -30,7 +31,7 @@ from .structures import progress as _progress_bar
 
 __all__ = ["screen", "ScreenError", "local_cluster"]
 
-_FORMAT_VERSION = 2  # 2: a line per task
+_FORMAT_VERSION = 3  # 2: a line per task; 3: the inputs' fingerprints in the header
 _DESCRIBE_CHUNK = 1000  # frames described per task
 _TASK_ATOMS = 8192  # atoms per energy task, at most (consecutive batches joined)
 _WORKER_MODELS: set = set()  # the (model, device, dtype) this worker process has used
@@ -172,12 +173,79 @@ def _select(path: Path, count: int, index: str) -> tp.List[int]:
     return numbers
 
 
-def _items(paths: tp.Sequence[Path], index: str) -> tp.List[dict]:
-    """One work item per selected frame: file, frame and where to read it."""
+def _inputs(files) -> tp.List[tp.Union[Path, tp.Tuple[str, list]]]:
+    """``files`` as a list of inputs: a ``Path`` per file, and ``(name, [Atoms...])``
+    per run of consecutive ``ase.Atoms`` (named ``<atoms[i:j]>`` by their places
+    in ``files``). Accepts a path (str or ``os.PathLike``), an ``Atoms``, or a
+    sequence mixing them; anything else is a ``TypeError`` naming it."""
+    import ase
+
+    if isinstance(files, (str, bytes, os.PathLike, ase.Atoms)):
+        files = [files]
+    try:
+        given = list(files)
+    except TypeError:
+        raise TypeError(f"files must be a path, an ase.Atoms or a sequence of them, got "
+                        f"{type(files).__module__}.{type(files).__name__}") from None
+    if not given:
+        raise ScreenError("files is empty: nothing to screen")
+    inputs: tp.List[tp.Union[Path, tp.Tuple[str, list]]] = []
+    run: list = []
+
+    def close_run(end: int) -> None:
+        if run:
+            inputs.append((f"<atoms[{end - len(run)}:{end}]>", list(run)))
+            run.clear()
+
+    for k, f in enumerate(given):
+        if isinstance(f, ase.Atoms):
+            run.append(f)
+            continue
+        close_run(k)
+        if isinstance(f, bytes):
+            f = os.fsdecode(f)
+        if not isinstance(f, (str, os.PathLike)):
+            raise TypeError(f"files[{k}] must be a path (str or os.PathLike) or an ase.Atoms, got "
+                            f"{type(f).__module__}.{type(f).__name__}")
+        inputs.append(Path(f))
+    close_run(len(given))
+    return inputs
+
+
+def _fingerprint(source) -> dict:
+    """What a resumed run checks its inputs against: size, modification time and
+    a SHA-256 of a file's bytes (of the structures' numbers, positions, cell and
+    pbc for ``Atoms``)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    if isinstance(source, Path):
+        stat = source.stat()
+        with open(source, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return {"file": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                "sha256": digest.hexdigest()}
+    name, frames = source
+    for atoms in frames:
+        for array in (atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc):
+            digest.update(array.tobytes())
+    return {"file": name, "size": len(frames), "sha256": digest.hexdigest()}
+
+
+def _items(paths: tp.Sequence[tp.Union[Path, tp.Tuple[str, list]]], index: str) -> tp.List[dict]:
+    """One work item per selected frame: file, frame and where to read it (or the
+    structure itself, for the inputs that are ``Atoms``)."""
     import ase.io
 
     items = []
     for path in paths:
+        if isinstance(path, tuple):  # (name, [Atoms]) from _inputs
+            name, frames = path
+            for k in _select(name, len(frames), index):
+                items.append({"file": name, "frame": k, "atoms": frames[k],
+                              "natoms": len(frames[k]), "key": batch_key(frames[k])})
+            continue
         if not path.exists():
             raise ScreenError(f"{path}: no such file")
         fmt = _format(path)
@@ -243,7 +311,7 @@ def _describe(spec: dict, packed: tuple) -> list:
 
 def _plan(meta: list, batch_size: int, max_slots: int = 32768) -> tp.List[tp.List[int]]:
     """Batches of item indices, exactly as the local command forms them
-    (:func:`~torchani_fast.structures.plan_batches`), so results are the same bits;
+    (:func:`~torchani_fast.apps.structures.plan_batches`), so results are the same bits;
     items with a problem are left out."""
     return plan_batches([m[0] for m in meta], [m[1] if m[2] is None else None for m in meta],
                         batch_size, max_slots)
@@ -565,9 +633,12 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
 
     Parameters
     ----------
-    files : sequence of str or Path
+    files : str, Path, ase.Atoms, or a sequence of them
         Structure files, any format ASE reads; extended XYZ is read lazily by the
         workers (frame by byte offset), other formats are read here and shipped.
+        ``Atoms`` are shipped as they are; a run of consecutive ones is one input
+        named ``<atoms[i:j]>`` (their places in ``files``), whose frames
+        ``index`` selects like a file's.
     command : {"energy", "optimize"}
         What the ``torchani-fast`` subcommand of that name computes.
     client : distributed.Client, optional
@@ -584,7 +655,9 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
         written at the end; records stream to ``OUTPUT.partial`` meanwhile.
         Without it nothing is written (and nothing can be resumed).
     resume : bool
-        Continue the run that left ``OUTPUT.partial`` (same arguments).
+        Continue the run that left ``OUTPUT.partial`` (same arguments). Refused
+        if an input changed since (its size or SHA-256 differs from the
+        fingerprint stored in the partial file).
     progress : bool
         Show a progress bar over structures (with throughput) on stderr.
     return_results : bool
@@ -625,12 +698,18 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
         raise ScreenError(f"task_atoms must be an integer >= 0, got {task_atoms!r}")
     if resume and output is None:
         raise ScreenError("resume needs an output file (-o): the partial results live next to it")
+    if client is None and not scheduler and (isinstance(workers, bool) or not isinstance(workers, int)
+                                             or workers < 1):
+        # (checked before OUTPUT.partial is made: a refused run leaves no file behind)
+        raise ScreenError(f"--workers must be at least 1, got {workers!r} (or pass client= or scheduler=)")
     dtype = dtype or ("float32" if command == "energy" else "float64")
-    paths = [Path(p) for p in files]
-    items = _items(paths, index)
+    sources = _inputs(files)
+    paths = [p for p in sources if isinstance(p, Path)]
+    items = _items(sources, index)
     for i, item in enumerate(items):
         item["i"] = i
-    spec = {"version": _FORMAT_VERSION, "command": command, "files": [str(p) for p in paths],
+    names = [str(p) if isinstance(p, Path) else p[0] for p in sources]
+    spec = {"version": _FORMAT_VERSION, "command": command, "files": names,
             "index": index, "structures": len(items), "model": model, "dtype": dtype,
             "device": device}
     if command == "energy":
@@ -640,7 +719,15 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
         # Each task's structures relaxed as one batch (torchani_fast.batched).
         spec.update(batched=not per_structure)
     output = None if output is None else Path(output)
-    sink = _Memory() if output is None else _Partial(output, spec, resume)
+    if output is not None:
+        try:
+            check_not_input(output, paths, "output")
+        except OSError as exc:
+            raise ScreenError(str(exc)) from None
+    # The partial file's header: the spec and a fingerprint of every input, so
+    # that a resumed run never mixes results of inputs edited since.
+    sink = _Memory() if output is None else _Partial(
+        output, dict(spec, inputs=[_fingerprint(p) for p in sources]), resume)
     close = lambda: None  # noqa: E731
     try:
         client, close = _connect(client, scheduler, workers, timeout)
@@ -680,11 +767,15 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
             _execute(client, fn, spec, tasks, sink.write, bar, callback)
         finally:
             bar.close()
+    except BaseException:
+        sink.close()
+        raise
     finally:
         close()
-        if isinstance(sink, _Partial):
-            sink.close()
-    return _finish(sink, items, spec, output, indent, return_results)
+    try:  # (the partial file stays locked until the final file replaced it)
+        return _finish(sink, items, spec, output, indent, return_results)
+    finally:
+        sink.close()
 
 
 def _finish(sink, items: list, spec: dict, output: tp.Optional[Path], indent, return_results):
@@ -692,13 +783,11 @@ def _finish(sink, items: list, spec: dict, output: tp.Optional[Path], indent, re
     get = sink.records()
     try:
         if output is not None:
-            tmp = output.with_name(output.name + ".writing")
-            with open(tmp, "w") as out:
+            with atomic_file(output, [f for f in spec["files"] if not f.startswith("<atoms[")]) as out:
                 if spec["command"] == "energy":
                     _write_energy(out, items, get, spec, indent)
                 else:
                     _write_optimized(out, items, get)
-            os.replace(tmp, output)
             sink.path.unlink()
         if not return_results:
             return None

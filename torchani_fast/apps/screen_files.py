@@ -5,8 +5,11 @@ file, written from the records in input order in the local command's layout.
 import functools
 import json
 import math
+import os
 import typing as tp
 from pathlib import Path
+
+from .output import open_locked, partial_path, target_path
 
 __all__ = ["ScreenError"]
 
@@ -30,7 +33,7 @@ class _Partial:
     """
 
     def __init__(self, output: Path, header: dict, resume: bool):
-        self.path = output.with_name(output.name + ".partial")
+        self.path = partial_path(target_path(output))  # (through a link: next to its file)
         self.done: tp.Dict[int, tp.Tuple[int, int]] = {}  # structure -> (its line's offset, place)
         # The records this run wrote, also kept in memory while their lines total
         # at most _KEEP_BYTES: the final file then needs no second parse of them
@@ -41,10 +44,11 @@ class _Partial:
             raise ScreenError(f"{self.path} exists (an interrupted run): pass --resume to "
                               "continue it, or delete it to start over")
         if resume and self.path.exists():
+            self.file = open_locked(self.path, append=True)  # (another run on it: refused)
             self._load(header)
-            self.file = open(self.path, "ab")
+            self.file.seek(0, os.SEEK_END)  # (after the truncation of a cut line)
         else:
-            self.file = open(self.path, "wb")
+            self.file = open_locked(self.path)
             self.file.write((json.dumps({"torchani_fast_screen": header}) + "\n").encode())
             self.file.flush()
 
@@ -59,6 +63,9 @@ class _Partial:
                 raise ScreenError(f"{self.path} was written by another torchani_fast (partial "
                                   f"file format {old.get('version')!r}, this one writes "
                                   f"{header.get('version')!r}); delete it and rerun without --resume")
+            if isinstance(old, dict):
+                _check_inputs(self.path, old.get("inputs"), header.get("inputs"))
+                old = dict(old, inputs=header.get("inputs"))  # (compared above, mtimes aside)
             if old != header:
                 diff = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
                 raise ScreenError(f"{self.path} was written for other inputs or options "
@@ -116,6 +123,22 @@ class _Partial:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _check_inputs(partial: Path, old: tp.Optional[list], new: tp.Optional[list]) -> None:
+    """``ScreenError`` naming the first input whose size or contents differ from
+    the fingerprint in the partial file (a newer modification time with the
+    same bytes, a ``touch``, is accepted)."""
+    if old is None or new is None or len(old) != len(new):
+        return  # other files: the header comparison names them
+    for was, now in zip(old, new):
+        if not isinstance(was, dict) or was.get("file") != now.get("file"):
+            return
+        if (was.get("size"), was.get("sha256")) != (now.get("size"), now.get("sha256")):
+            raise ScreenError(
+                f"{now['file']} changed since {partial} was written (size {was.get('size')} -> "
+                f"{now.get('size')}, contents differ): its results cannot be resumed; delete "
+                f"{partial} and rerun without --resume")
 
 
 class _Memory:

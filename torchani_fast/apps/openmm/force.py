@@ -100,7 +100,7 @@ def atomic_numbers_of(topology, atoms: tp.Optional[tp.Sequence[int]],
     ------
     ValueError
         Naming the first atom without an element or with one the model lacks,
-        or an index outside the topology.
+        an index outside the topology, or an index given twice.
     """
     from ase.data import chemical_symbols
 
@@ -109,9 +109,14 @@ def atomic_numbers_of(topology, atoms: tp.Optional[tp.Sequence[int]],
         chosen = every
     else:
         chosen = []
-        for i in atoms:
+        seen: tp.Dict[int, int] = {}
+        for k, i in enumerate(atoms):
             if not 0 <= int(i) < len(every):
                 raise ValueError(f"{name}: atom index {i} is outside the topology ({len(every)} atoms)")
+            if int(i) in seen:  # the atom would sit on top of itself: a meaningless energy
+                raise ValueError(f"{name}: atom index {i} is given twice (entries {seen[int(i)]} and "
+                                 f"{k} of the ML atoms); each atom may appear once")
+            seen[int(i)] = k
             chosen.append(every[int(i)])
     if not chosen:
         raise ValueError(f"{name}: no atoms to apply the potential to")

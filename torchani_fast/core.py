@@ -148,14 +148,17 @@ class ModelCore(_CoreBase):
         k = 0
         for pot in self.potentials.values():
             if pot._enabled:
-                if num_local >= 0 and hasattr(pot, "neural_networks") and hasattr(pot, "aev_computer"):
+                done = False
+                if num_local >= 0:
                     # The AEVs of every atom (a local atom's reads its ghost neighbours),
-                    # the networks of the local atoms alone (the others as padding).
-                    aevs = pot.aev_computer.compute_from_neighbors(elem_idxs, coords, lists[k])
-                    local = elem_idxs.clone()
-                    local[:, num_local:] = -1
-                    energies = energies + pot.neural_networks(local, aevs, True, False)
-                else:
+                    # the fused networks of the local atoms alone. (Nested: TorchScript
+                    # resolves a hasattr that is a whole condition when it compiles.)
+                    if hasattr(pot, "neural_networks"):
+                        if hasattr(pot.neural_networks, "local_atomic"):
+                            aevs = pot.aev_computer.compute_from_neighbors(elem_idxs, coords, lists[k])
+                            energies = energies + pot.neural_networks.local_atomic(elem_idxs, aevs, num_local)
+                            done = True
+                if not done:
                     result = pot.compute_from_neighbors(elem_idxs, coords, lists[k], charge, atomic,
                                                         ensemble_values)
                     energies = energies + result.energies

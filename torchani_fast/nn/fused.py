@@ -167,6 +167,40 @@ class _FusedBase(_WeightPacks, AtomicContainer):
                                      elem_idxs.shape[0] if reduce else 0)
         return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], atomic, ensemble_values)
 
+    def local_atomic(self, elem_idxs: Tensor, aevs: Tensor, num_local: int) -> Tensor:
+        """Atomic energies (M, A) like ``forward(elem_idxs, aevs, atomic=True)`` for the
+        first ``num_local`` atoms of each row; the others (a domain's ghost atoms)
+        are not evaluated and get 0.
+
+        The groups, and so the AEV columns layer 1 reads, are those of all the
+        atoms: a local atom may see an element that only ghost atoms have, whose
+        columns the composition of the local atoms alone would skip.
+        """
+        flat = elem_idxs.flatten()
+        aev = aevs.flatten(0, 1)
+        k = len(self._evaluated_members())
+        atoms, group_elem, group_mask, group_size = self._groups(flat, aev)
+        keep = torch.remainder(atoms, elem_idxs.shape[1]) < num_local
+        kept: tp.List[Tensor] = []
+        elems: tp.List[int] = []
+        masks: tp.List[int] = []
+        sizes: tp.List[int] = []
+        start = 0
+        for g in range(len(group_size)):
+            rows = atoms.narrow(0, start, group_size[g])
+            rows = rows[keep.narrow(0, start, group_size[g])]
+            start += group_size[g]
+            if rows.shape[0] > 0:
+                kept.append(rows)
+                elems.append(group_elem[g])
+                masks.append(group_mask[g])
+                sizes.append(rows.shape[0])
+        if k == 0 or len(sizes) == 0:
+            values = aev.new_zeros((k, flat.shape[0]))
+        else:
+            values = self._grouped_atomic(flat.shape[0], aev, torch.cat(kept), elems, masks, sizes)
+        return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], True, False)
+
     def _reduce(self, values: Tensor, molecules: int, atoms: int, atomic: bool, ensemble_values: bool) -> Tensor:
         """``forward``'s output from the members' atomic energies (k, M*A); energies
         (M,) that the CPU op already reduced (1-D) are returned as they are."""

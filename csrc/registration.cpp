@@ -28,6 +28,10 @@ TORCH_LIBRARY(torchani_fast, m) {
       .def("keys", &PackCache::keys)
       .def("tensors", &PackCache::tensors)
       .def("dict", &PackCache::dict)
+      // torch.export fakes every TorchScript object a module holds unless it says it is
+      // traced as it is: a cache of packed weights that the traced path (the networks
+      // evaluated op by op) never reads.
+      .def("tracing_mode", [](const c10::intrusive_ptr<PackCache>&) -> std::string { return "real"; })
       .def_pickle([](const c10::intrusive_ptr<PackCache>&) -> int64_t { return 0; },
                   [](int64_t) { return c10::make_intrusive<PackCache>(); });
   using torchani_fast::Workspace;

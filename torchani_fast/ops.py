@@ -9,6 +9,8 @@ import typing as tp
 import torch
 from torch import Tensor
 
+from ._device_paths import host_path
+
 __all__ = [
     "neighbor_pairs", "neighbor_pairs_padded", "check_num_pairs", "pair_vectors", "aev", "aev_backward",
     "aev_jvp", "aev_double_backward", "aev_local_derivatives",
@@ -148,7 +150,7 @@ def pair_vectors(
     distances : Tensor, shape (P,)
         Their lengths.
     """
-    if coords.device.type == "cpu":
+    if host_path(coords):
         return torch.ops.torchani_fast.pair_vectors(coords, pairs, images, cell)
     diff = coords.index_select(0, pairs[0]) - coords.index_select(0, pairs[1])
     if cell is not None and images is not None:
@@ -614,3 +616,43 @@ def convert_species(atomic_nums: Tensor, conv: Tensor) -> tp.Tuple[Tensor, int]:
     """Element indices of atomic numbers, and -1 or the flat index of the first
     unsupported or out-of-range one (CPU, one pass)."""
     return torch.ops.torchani_fast.convert_species(atomic_nums, conv)
+
+
+# -- the input checks, their fakes, and their form for traced graphs --------------------------
+# first_invalid_atom, valid_cell and convert_species answer with a host value that the caller
+# branches on; traced, that value is data-dependent (an unbacked symbol), so the validation
+# (validation.py) does not call them under torch.compile / torch.export. It calls the checking
+# ops below instead: ops with no output, marked side-effectful (never removed as dead code),
+# whose implementation runs when the compiled graph runs, reads the real values and raises
+# the eager error with its message (they are defined in validation.py, beside the checks
+# they run). Their fakes do nothing. (On CUDA each reads the inputs back: one host
+# synchronisation per check, as the eager checks.)
+@torch.library.register_fake("torchani_fast::first_invalid_atom")
+def _first_invalid_atom_fake(species, coords):
+    return torch.library.get_ctx().new_dynamic_size(min=-1)
+
+
+@torch.library.register_fake("torchani_fast::valid_cell")
+def _valid_cell_fake(cell, pbc):
+    return torch.library.get_ctx().new_dynamic_size(min=0, max=1) == 1
+
+
+@torch.library.register_fake("torchani_fast::convert_species")
+def _convert_species_fake(atomic_nums, conv):
+    return torch.empty_like(atomic_nums, dtype=torch.long), torch.library.get_ctx().new_dynamic_size(min=-1)
+
+
+def check_input_values(species: Tensor, coords: Tensor) -> None:
+    """Raise, when the graph runs, the eager error for species < -1 or non-finite
+    coordinates of real atoms (traced input checks; validation.check_input_values)."""
+    torch.ops.torchani_fast.check_input_values(species, coords)
+
+
+def check_species_values(atomic_nums: Tensor, conv: Tensor, element_indices: bool) -> None:
+    """Raise, when the graph runs, the eager error for an unknown or unsupported element."""
+    torch.ops.torchani_fast.check_species_values(atomic_nums, conv, element_indices)
+
+
+def check_cell_values(species: Tensor, coords: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> None:
+    """Raise, when the graph runs, the eager error for a non-finite, singular or too small cell."""
+    torch.ops.torchani_fast.check_cell_values(species, coords, cell, pbc, cutoff)

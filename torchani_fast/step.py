@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from . import core, ops
+from ._device_paths import host_path
 from .aev import AEVComputer, NeighborList
 from .core import Workspace, forces_of, require_tensors
 from .nn import FusedEnsemble, FusedNetworks
@@ -161,7 +162,7 @@ class EnergyForcesStep:
         # them (layer 1 then skips the neighbour blocks that tiles of atoms lack:
         # 1hz5's networks 37 ms instead of 43 on one thread with fixed groups); a
         # CUDA graph needs them fixed: found once, here, and pinned at each call.
-        self.groups = None if coords.device.type == "cpu" else nets.fixed_groups(elem)
+        self.groups = None if host_path(coords) else nets.fixed_groups(elem)
         self.cell = cell
         self.pbc = pbc
         self.shape = tuple(coords.shape)

@@ -6,8 +6,10 @@ element as padding. A patched model checks every call and raises an error that
 names the argument and the offending value instead. On the CPU a valid input
 costs two one-pass C++ ops (``first_invalid_atom``, ``convert_species``,
 csrc/validate/validate_cpu.cpp); when they flag an atom, or on other devices, the
-element-wise checks below run and word the error (on CUDA each reduction is
-one host synchronisation).
+element-wise checks below run and word the error (on CUDA one host read of a
+status per check, more only to word an error). Traced (torch.compile,
+torch.export), the value checks are checking ops that run with the graph
+(ops.py, docs/compile.md).
 
 Choices (documented in the README, "Errors"):
 - errors TorchANI reports with an ``AssertionError`` (the species' rank, the
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._device_paths import host_path
 try:
     from torchani.constants import PERIODIC_TABLE
     from torchani.nn import SpeciesConverter as _TorchaniSpeciesConverter
@@ -35,7 +38,8 @@ except ImportError:  # TorchANI 2.2.4 (torchani_fast.legacy): its converter is k
     from torchani.utils import PERIODIC_TABLE
     _TorchaniSpeciesConverter = torch.nn.Module
 
-__all__ = ["InputError", "DTYPE_RULE", "check_inputs", "check_neighbors", "check_cell_pbc", "SpeciesConverter"]
+__all__ = ["InputError", "DTYPE_RULE", "check_inputs", "check_input_values", "check_neighbors", "check_cell_pbc",
+           "check_species_values", "SpeciesConverter"]
 
 DTYPE_RULE = """\
 The one dtype rule of a patched model (coords, cell and the model's floating dtype):
@@ -113,8 +117,25 @@ def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtyp
         raise ValueError("the inputs are on {} but the model is on {}".format(coords.device, device))
     if charge != 0:
         raise InputError("charge must be 0 (ANI models describe neutral molecules), got {}".format(charge))
-    if coords.device.type == "cpu" and ops.first_invalid_atom(species, coords.detach()) < 0:
-        return  # one pass in C++ found nothing; the checks below word the error otherwise
+    if torch.compiler.is_compiling():
+        # Traced (torch.compile, torch.export): no branch on values here; the checking
+        # op reads them when the graph runs and raises the errors below (ops.py).
+        ops.check_input_values(species, coords.detach())
+        return
+    check_input_values(species, coords)
+
+
+def check_input_values(species: Tensor, coords: Tensor) -> None:
+    """The value checks of :func:`check_inputs`: species >= -1, finite coordinates of real atoms."""
+    if host_path(coords):
+        if ops.first_invalid_atom(species, coords.detach()) < 0:
+            return  # one pass in C++ found nothing; the checks below word the error otherwise
+    else:
+        # Both checks in one read of the device (the wording below reads again, on error only).
+        status = (species < -1).any().long() + (
+            (~torch.isfinite(coords.detach()).all(-1)) & (species >= 0)).any().long()
+        if int(status) == 0:
+            return
     bad = species < -1
     if bool(bad.any()):
         i = _first(bad)
@@ -194,7 +215,7 @@ def check_cell_pbc(coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[T
             raise ValueError("cell is on {} but coords on {}".format(cell.device, coords.device))
         if not values:
             return
-        if cell.device.type == "cpu" and pbc is not None and ops.valid_cell(cell.detach(), pbc):
+        if host_path(cell) and pbc is not None and ops.valid_cell(cell.detach(), pbc):
             return  # one C++ op found nothing (instead of ~15 ATen ops); the checks below word the error
         rows: tp.List[tp.List[float]] = cell.detach().tolist()
         if not bool(torch.isfinite(cell).all()):
@@ -211,7 +232,7 @@ class SpeciesConverter(_TorchaniSpeciesConverter):
 
     TorchANI raises only in eager mode; scripted, an unsupported element silently
     becomes padding. This one raises in both, naming the element and the atom.
-    Built by :meth:`from_torchani` (the ``conv_tensor`` buffer, and so the state
+    Made by :func:`torchani_fast.patch` (a class swap) (the ``conv_tensor`` buffer, and so the state
     dict, is unchanged).
     """
 
@@ -222,41 +243,61 @@ class SpeciesConverter(_TorchaniSpeciesConverter):
         self.symbols_table = list(PERIODIC_TABLE)
 
     def _supported(self) -> str:
-        # In the model's element order (H, C, N, O, S, F, Cl for ANI-2x).
-        names: tp.List[str] = []
-        for k in range(int((self.conv_tensor >= 0).sum())):
-            names.append(self.symbols_table[int((self.conv_tensor == k).nonzero()[0, 0])])
-        return ", ".join(names)
+        return _supported(self.conv_tensor, self.symbols_table)
 
     def forward(self, atomic_nums: Tensor, nop: bool = False, _dont_use: bool = False) -> Tensor:
         conv = self.conv_tensor
-        if nop:  # element indices given directly (periodic_table_index=False)
-            n = int((conv >= 0).sum())
-            bad = (atomic_nums < -1) | (atomic_nums >= n)
-            if bool(bad.any()):
-                i = _first(bad)
-                raise ValueError(
-                    "species must be element indices in [-1, {}) for this model (-1 is padding), "
-                    "got {} at {}".format(n, int(atomic_nums.reshape(-1)[i]), _where(i, atomic_nums.shape[-1])))
-            return atomic_nums
-        if atomic_nums.device.type == "cpu" and conv.dtype == torch.long and (
+        if torch.compiler.is_compiling():
+            # Traced: the checking op raises the errors of check_species_values when the
+            # graph runs; the indexing is kept in bounds until then.
+            ops.check_species_values(atomic_nums, conv, nop)
+            return atomic_nums if nop else conv[atomic_nums.clamp(-1, conv.shape[0] - 1)]
+        if not nop and host_path(atomic_nums) and conv.dtype == torch.long and (
                 atomic_nums.dtype == torch.long or atomic_nums.dtype == torch.int):
             elem_idxs, invalid = ops.convert_species(atomic_nums, conv)
             if invalid < 0:
                 return elem_idxs  # else the checks below word the error
-        bad = (atomic_nums < -1) | (atomic_nums >= conv.shape[0] - 1)
+        check_species_values(atomic_nums, conv, nop, self.symbols_table)
+        return atomic_nums if nop else conv[atomic_nums]
+
+
+def _supported(conv: Tensor, symbols: tp.List[str]) -> str:
+    # In the model's element order (H, C, N, O, S, F, Cl for ANI-2x).
+    names: tp.List[str] = []
+    for k in range(int((conv >= 0).sum())):
+        names.append(symbols[int((conv == k).nonzero()[0, 0])])
+    return ", ".join(names)
+
+
+def check_species_values(atomic_nums: Tensor, conv: Tensor, element_indices: bool,
+                         symbols: tp.List[str]) -> None:
+    """Raise for species that :class:`SpeciesConverter` (table ``conv``) cannot convert:
+    element indices outside [-1, elements) (``element_indices``), else atomic numbers
+    outside 1-118 and -1 or of elements the model lacks. ``symbols``: the periodic table
+    (``list(PERIODIC_TABLE)``)."""
+    if element_indices:  # element indices given directly (periodic_table_index=False)
+        n = int((conv >= 0).sum())
+        bad = (atomic_nums < -1) | (atomic_nums >= n)
         if bool(bad.any()):
             i = _first(bad)
-            raise ValueError("species must be atomic numbers (1-118) or -1 for padding, got {} at {}".format(
-                int(atomic_nums.reshape(-1)[i]), _where(i, atomic_nums.shape[-1])))
-        elem_idxs = conv[atomic_nums]
-        bad = (elem_idxs < 0) & (atomic_nums >= 0)
-        if bool(bad.any()):
-            i = _first(bad)
-            z = int(atomic_nums.reshape(-1)[i])
-            raise ValueError("unsupported element {} (atomic number {}) at {}; this model supports {}".format(
-                self.symbols_table[z], z, _where(i, atomic_nums.shape[-1]), self._supported()))
-        return elem_idxs
+            raise ValueError(
+                "species must be element indices in [-1, {}) for this model (-1 is padding), "
+                "got {} at {}".format(n, int(atomic_nums.reshape(-1)[i]), _where(i, atomic_nums.shape[-1])))
+        return
+    outside = (atomic_nums < -1) | (atomic_nums >= conv.shape[0] - 1)
+    elem_idxs = conv[atomic_nums.clamp(-1, conv.shape[0] - 1)]
+    bad = (elem_idxs < 0) & (atomic_nums >= 0)
+    if not bool((outside | bad).any()):  # both checks in one read of the device
+        return
+    if bool(outside.any()):
+        i = _first(outside)
+        raise ValueError("species must be atomic numbers (1-118) or -1 for padding, got {} at {}".format(
+            int(atomic_nums.reshape(-1)[i]), _where(i, atomic_nums.shape[-1])))
+    if bool(bad.any()):
+        i = _first(bad)
+        z = int(atomic_nums.reshape(-1)[i])
+        raise ValueError("unsupported element {} (atomic number {}) at {}; this model supports {}".format(
+            symbols[z], z, _where(i, atomic_nums.shape[-1]), _supported(conv, symbols)))
 
 
 # -- one place that decides whether a cell is usable ---------------------------------------
@@ -314,9 +355,13 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
     check_cell_pbc(coords, cell, pbc, values=False)
     if cell is None or pbc is None or not values:
         return
+    if torch.compiler.is_compiling():
+        # Traced: the checking op runs this function on the values when the graph runs.
+        ops.check_cell_values(species, coords.detach(), cell.detach(), pbc, cutoff)
+        return
     # One C++ op says whether the cell is finite and non-singular (most calls);
     # otherwise the element-wise checks below word the error.
-    if not (cell.device.type == "cpu" and bool(ops.valid_cell(cell.detach(), pbc))):
+    if not (host_path(cell) and bool(ops.valid_cell(cell.detach(), pbc))):
         _check_cell_values(coords, cell, pbc)
     periodic: tp.List[bool] = pbc.tolist()
     if not (periodic[0] or periodic[1] or periodic[2]):
@@ -420,3 +465,31 @@ def check_elements(numbers: tp.Sequence[int], supported: tp.Sequence[int], model
             raise ValueError("{}element {} (atomic number {}) at atom {} (counting from 0) is not "
                              "supported by {}, which covers {}".format(
                                  where + ": " if where else "", name(int(z)), int(z), j, model, covers))
+
+
+# -- the checks as ops, for traced graphs (torch.compile, torch.export) ---------------------
+# Called through ops.check_*_values under torch.compiler.is_compiling(): ops with no output,
+# kept in the graph (side-effectful), that read the real values when the graph runs and
+# raise the eager error; their fakes do nothing.
+@torch.library.custom_op("torchani_fast::check_input_values", mutates_args=())
+def _check_input_values(species: Tensor, coords: Tensor) -> None:
+    """Raise the eager error for species < -1 or non-finite coordinates of real atoms."""
+    check_input_values(species, coords)
+
+
+@torch.library.custom_op("torchani_fast::check_species_values", mutates_args=())
+def _check_species_values(atomic_nums: Tensor, conv: Tensor, element_indices: bool) -> None:
+    """Raise the eager error for an unknown or unsupported element (SpeciesConverter)."""
+    check_species_values(atomic_nums, conv, element_indices, list(PERIODIC_TABLE))
+
+
+@torch.library.custom_op("torchani_fast::check_cell_values", mutates_args=())
+def _check_cell_values(species: Tensor, coords: Tensor, cell: Tensor, pbc: Tensor,
+                       cutoff: float) -> None:
+    """Raise the eager error for a non-finite, singular or too small cell (check_periodic_work)."""
+    check_periodic_work(species, coords, cell, pbc, cutoff, values=True)
+
+
+for _check in (_check_input_values, _check_species_values, _check_cell_values):
+    _check.register_fake(lambda *args: None)
+    torch.fx.node.has_side_effect(_check._opoverload)

@@ -4,6 +4,7 @@
 // the schemas and the AEVParams adapters are the real ones (schemas.h, ops.h).
 #include <torch/library.h>
 
+#include "emu_runtime.h"
 #include "ops.h"
 #include "schemas.h"
 
@@ -18,4 +19,5 @@ TORCH_LIBRARY(torchani_fast_emu, m) {
   m.def(schema::kAevJvp, &AevBackwardOp::flat<&aev_jvp_cuda>);
   m.def(schema::kAevDoubleBackward, &AevDoubleBackwardOp::flat<&aev_double_backward_cuda>);
   m.def(schema::kAevLocalDerivatives, &AevLocalDerivativesOp::flat<&aev_local_derivatives_cuda>);
+  m.def("launch_count() -> int", []() -> int64_t { return ::emu::launches.load(); });
 }

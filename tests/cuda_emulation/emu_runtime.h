@@ -44,10 +44,14 @@ inline unsigned char* dynamic_smem() {
       (reinterpret_cast<uintptr_t>(tl_state->smem.data()) + 15) & ~uintptr_t(15));
 }
 
+// Kernel launches so far (torch.ops.torchani_fast_emu.launch_count()).
+inline std::atomic<int64_t> launches{0};
+
 template <typename... KArgs, typename... Args>
 void launch(void (*kernel)(KArgs...), unsigned int grid, unsigned int block, size_t smem,
             int /*stream*/, Args&&... args) {
   TORCH_CHECK(block % 32 == 0 && block > 0 && block <= 1024, "emu: bad block size ", block);
+  launches.fetch_add(1);
   for (unsigned int b = 0; b < grid; ++b) {
     Block st;
     st.all = std::make_unique<std::barrier<>>(block);

@@ -28,6 +28,7 @@ except ImportError:  # TorchANI 2.2.4: the base of torchani_fast.legacy's fused 
             self.num_species = 0
 
 from .. import ops
+from .._device_paths import host_path
 from .grouping import composition_groups, groups
 from .layout import (_activation_of, _aev_layout, _Layout, _zero_blocks_mean_no_neighbors,
                      charge_unsupported_reason, linears as _linears, unsupported_reason)
@@ -163,6 +164,9 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         assert aevs is not None, "aevs is required"
         assert elem_idxs.shape == aevs.shape[:-1], "elem_idxs must be (M, A) and aevs (M, A, F)"
         reduce = not atomic and not (ensemble_values and self.is_ensemble)
+        if torch.compiler.is_compiling():
+            values = self._traced_atomic(elem_idxs.flatten(), aevs.flatten(0, 1))
+            return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], atomic, ensemble_values)
         values = self._member_atomic(elem_idxs.flatten(), aevs.flatten(0, 1),
                                      elem_idxs.shape[0] if reduce else 0)
         return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], atomic, ensemble_values)
@@ -279,6 +283,23 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         return self._grouped_atomic(flat.shape[0], aev, atoms, group_elem, group_mask, group_size,
                                     molecules)
 
+    @torch.jit.unused
+    def _traced_atomic(self, flat: Tensor, aev: Tensor) -> Tensor:
+        """``_member_atomic`` for torch.compile / torch.export: no grouping (which
+        reads the elements present back to the host), every element's network on
+        every atom, masked by element (num_species times the work: a graph of static
+        shapes, TorchANI's own atomic networks, differentiable by ATen's autograd)."""
+        atomics = self._member_atomics()
+        rows: tp.List[Tensor] = []
+        for m in self._evaluated_members():
+            total = aev.new_zeros(flat.shape[0])
+            for e, net in enumerate(atomics[m]):
+                out = net(aev)
+                out = out[:, self.output_row] if self.output_row >= 0 else out.squeeze(-1)
+                total = torch.where(flat == e, out, total)
+            rows.append(total)
+        return torch.stack(rows)
+
     def _grouped_atomic(
         self, num_atoms: int, aev: Tensor, atoms: Tensor, group_elem: tp.List[int],
         group_mask: tp.List[int], group_size: tp.List[int], molecules: int = 0,
@@ -286,7 +307,7 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         """``_member_atomic`` once the groups are known: no host synchronisation."""
         act = self._evaluated_members()
         k = len(act)
-        if aev.device.type == "cpu" and self.native_cpu:
+        if host_path(aev) and self.native_cpu:
             args = self._native_args(act, group_elem, group_mask)
             if args is not None:
                 # The C++ kernels through ensemble_atomic / ensemble_energies,

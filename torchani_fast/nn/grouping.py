@@ -17,11 +17,13 @@ import torch
 from torch import Tensor
 from .. import ops
 
+from .._device_paths import host_path
+
 __all__ = ["groups", "composition_groups", "native_groups", "host_groups"]
 
 def composition_groups(flat: Tensor, num_species: int, radial_sublen: int, split_min: int) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
     """``groups`` without splits: one group per element present, all reading every present block."""
-    if flat.device.type == "cpu":
+    if host_path(flat):
         return native_groups(flat, None, num_species, radial_sublen, split_min)
     return host_groups(flat, None, num_species, radial_sublen, split_min)
 
@@ -49,7 +51,7 @@ def groups(flat: Tensor, aev: Tensor, num_species: int, radial_sublen: int, spli
     group its element, the bitmask of elements whose AEV columns it uses,
     and its size. One host sync (cheap on CPU), two when a split is considered.
     """
-    if flat.device.type == "cpu":
+    if host_path(flat):
         return native_groups(flat, aev, num_species, radial_sublen, split_min)
     return host_groups(flat, aev, num_species, radial_sublen, split_min)
 
@@ -68,7 +70,12 @@ def host_groups(flat: Tensor, aev: tp.Optional[Tensor], num_species: int, radial
     sublen = radial_sublen
     if aev is not None and radial_sublen > 0:
         blocks = aev.narrow(1, 0, num_species * radial_sublen).reshape(-1, num_species, radial_sublen)
-        seen = blocks.ne(0).any(2).to(aev.dtype).cpu()
+        # The species and what each atom sees, in one copy to the host.
+        both = torch.cat([flat.unsqueeze(1).long(), blocks.ne(0).any(2).long()], 1).cpu()
+        host = both[:, 0].to(flat.dtype).contiguous()
+        seen = both[:, 1:].to(aev.dtype)
         sublen = 1
-    atoms, elems, masks, sizes = native_groups(flat.cpu(), seen, num_species, sublen, split_min)
+    else:
+        host = flat.cpu()
+    atoms, elems, masks, sizes = native_groups(host, seen, num_species, sublen, split_min)
     return atoms.to(flat.device), elems, masks, sizes

@@ -472,24 +472,24 @@ def check_elements(numbers: tp.Sequence[int], supported: tp.Sequence[int], model
 # kept in the graph (side-effectful), that read the real values when the graph runs and
 # raise the eager error; their fakes do nothing.
 @torch.library.custom_op("torchani_fast::check_input_values", mutates_args=())
-def _check_input_values(species: Tensor, coords: Tensor) -> None:
+def _check_input_values_op(species: Tensor, coords: Tensor) -> None:
     """Raise the eager error for species < -1 or non-finite coordinates of real atoms."""
     check_input_values(species, coords)
 
 
 @torch.library.custom_op("torchani_fast::check_species_values", mutates_args=())
-def _check_species_values(atomic_nums: Tensor, conv: Tensor, element_indices: bool) -> None:
+def _check_species_values_op(atomic_nums: Tensor, conv: Tensor, element_indices: bool) -> None:
     """Raise the eager error for an unknown or unsupported element (SpeciesConverter)."""
     check_species_values(atomic_nums, conv, element_indices, list(PERIODIC_TABLE))
 
 
 @torch.library.custom_op("torchani_fast::check_cell_values", mutates_args=())
-def _check_cell_values(species: Tensor, coords: Tensor, cell: Tensor, pbc: Tensor,
+def _check_cell_values_op(species: Tensor, coords: Tensor, cell: Tensor, pbc: Tensor,
                        cutoff: float) -> None:
     """Raise the eager error for a non-finite, singular or too small cell (check_periodic_work)."""
     check_periodic_work(species, coords, cell, pbc, cutoff, values=True)
 
 
-for _check in (_check_input_values, _check_species_values, _check_cell_values):
+for _check in (_check_input_values_op, _check_species_values_op, _check_cell_values_op):
     _check.register_fake(lambda *args: None)
     torch.fx.node.has_side_effect(_check._opoverload)

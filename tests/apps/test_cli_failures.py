@@ -193,7 +193,7 @@ def test_md_failure_leaves_the_users_files_untouched(capsys, tmp_path, monkeypat
     def broken(self, *args):
         raise RuntimeError("the evaluation failed")
 
-    monkeypatch.setattr(Calculator, "_evaluate", broken)  # (periodic atoms, other models)
+    monkeypatch.setattr(Calculator, "_unstepped", broken)  # (periodic atoms, other models)
     monkeypatch.setattr(Calculator, "_stepped", broken)  # (a molecule, an eager patched model)
     status, err = run(capsys, "md", path, "-o", traj, "--steps", "5", "-d", "cpu", "--no-progress")
     assert status == 1 and "the evaluation failed" in err

@@ -65,7 +65,8 @@ class _Partial:
                                   f"{header.get('version')!r}); delete it and rerun without --resume")
             if isinstance(old, dict):
                 _check_inputs(self.path, old.get("inputs"), header.get("inputs"))
-                old = dict(old, inputs=header.get("inputs"))  # (compared above, mtimes aside)
+                if "inputs" in header:
+                    old = dict(old, inputs=header["inputs"])  # (compared above, mtimes aside)
             if old != header:
                 diff = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
                 raise ScreenError(f"{self.path} was written for other inputs or options "

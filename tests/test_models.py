@@ -123,11 +123,12 @@ def test_patched_ase_returns_fast_calculator(pair):
 def test_front_door_does_not_change_torchscript(single_network):
     # The class swap must leave scripting exactly as it was: check it on an
     # unpatched TorchANI model too, so this test does not depend on the kernels.
-    from torchani_fast.patch import _model_class, _swap_class
+    from torchani_fast._front_door import swap_class
+    from torchani_fast.patch import _model_class
 
     ref = copy.deepcopy(single_network)
     plain = copy.deepcopy(ref)
-    _swap_class(ref, _model_class(type(ref)))
+    swap_class(ref, _model_class(type(ref)))
     assert type(ref).__name__ == "PatchedANI"
     species, coords, _, _ = atoms_to_tensors(read_molecule("CH4-5.xyz", index=0))
     scripted = torch.jit.script(ref)

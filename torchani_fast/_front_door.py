@@ -1,7 +1,7 @@
-"""The classes of patched models.
+"""The classes of patched models, and the one in-place class change (:func:`swap_class`).
 
 ``patch()`` keeps the model object and gives it a subclass of its TorchANI class
-with torchani_fast's mixins in front (``model.__class__ = ...``): Python-side
+with torchani_fast's mixins in front: Python-side
 conveniences (``ase()``, ``energies_forces()``) and the methods TorchScript
 compiles in TorchANI's place (``_check_inputs``, ``compute_from_neighbors``).
 TorchANI's own classes have theirs written out, by name, in ``patch.py``
@@ -12,7 +12,7 @@ first use; this module's ``__getattr__`` finds it by name, which is how pickle
 """
 import typing as tp
 
-__all__ = ["front_door_class"]
+__all__ = ["front_door_class", "swap_class"]
 
 _MADE: tp.Dict[type, type] = {}  # base -> the class made for it
 
@@ -28,6 +28,14 @@ def front_door_class(base: type, written: tp.Dict[type, type],
                    {"__module__": __name__, "__qualname__": name, "__doc__": base.__doc__})
         _MADE[base] = cls
     return cls
+
+
+def swap_class(obj: object, cls: type) -> None:
+    """The one in-place class change of torchani_fast (same object, buffers and state
+    dict): :mod:`torchani_fast.patch` (TorchANI 2.7-2.9, its mapping ``PATCHED_CLASSES``)
+    and :mod:`torchani_fast.legacy` (TorchANI 2.2.4's classes) call it."""
+    if type(obj) is not cls:
+        obj.__class__ = cls
 
 
 def __getattr__(name: str) -> type:

@@ -35,7 +35,7 @@ from torchani.models import BuiltinEnsemble, BuiltinModel
 from torchani.nn import SpeciesEnergies
 
 from . import ops
-from ._front_door import front_door_class
+from ._front_door import front_door_class, swap_class
 from .aev import NeighborList
 from .nn.fused import _FusedBase
 from .nn.layout import _Layout, linears
@@ -420,5 +420,5 @@ class PatchedBuiltinEnsemble(*_mixins(BuiltinEnsemble), BuiltinEnsemble):
 
 def _install_front_door(model: torch.nn.Module) -> None:
     if not isinstance(model, (_ModelFrontDoor, _EnsembleFrontDoor)):
-        model.__class__ = front_door_class(
-            type(model), {BuiltinModel: PatchedBuiltinModel, BuiltinEnsemble: PatchedBuiltinEnsemble}, _mixins)
+        swap_class(model, front_door_class(
+            type(model), {BuiltinModel: PatchedBuiltinModel, BuiltinEnsemble: PatchedBuiltinEnsemble}, _mixins))

@@ -34,7 +34,7 @@ from torchani.arch import ANI, ANIq
 from torchani.nn import SpeciesConverter as _TorchaniSpeciesConverter
 from torchani.potentials import RepulsionXTB, TwoBodyDispersionD3
 
-from ._front_door import front_door_class
+from ._front_door import front_door_class, swap_class
 from .aev import AEVComputer, NeighborList
 from .core import ModelCore, ModelCoreQ
 from .mixins import FrontDoor, ValidatedModel
@@ -112,7 +112,7 @@ def patch(model: torch.nn.Module, neighborlist: str = "auto") -> torch.nn.Module
         _keep(model, "AEV computer", str(exc))
         nnp.aev_computer.neighborlist = nl
     model.neighborlist = nl
-    _swap_class(model.species_converter, SpeciesConverter)
+    swap_class(model.species_converter, SpeciesConverter)
     model.species_converter._init_patched()
     _patch_parts(model, nnp)
     return model
@@ -129,10 +129,10 @@ def _patch_parts(model: torch.nn.Module, nnp: torch.nn.Module) -> None:
             if reason is not None:
                 _keep(model, f"{type(pot).__name__} potential {name!r}", reason)
             else:
-                _swap_class(pot, cls)
+                swap_class(pot, cls)
         if isinstance(pot, (FastRepulsionXTB, FastDispersionD3)):
             set_fast_cutoff(pot)
-    _swap_class(model, _model_class(type(model)))
+    swap_class(model, _model_class(type(model)))
 
 
 def _fuse(model: torch.nn.Module, nnp: torch.nn.Module) -> None:
@@ -168,9 +168,9 @@ def nnp_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # --- the class changes ------------------------------------------------------------------------
-# patch() changes classes in place here, and only here (TorchANI 2.2.4's classes:
-# torchani_fast.legacy): the model's (below), its species converter's
-# (validation.SpeciesConverter) and its pair potentials' (potentials.Fast*). A patched
+# patch() changes classes in place from this one mapping (TorchANI 2.2.4's classes:
+# torchani_fast.legacy), always through _front_door.swap_class: the model's, its species
+# converter's (validation.SpeciesConverter) and its pair potentials' (potentials.Fast*). A patched
 # model's class puts torchani_fast's mixins (torchani_fast/mixins.py, core.py) in
 # front of its TorchANI class; a user's subclass of ANI or ANIq gets one made on
 # first use (_front_door.py, where pickle finds it by name).
@@ -205,7 +205,3 @@ def _model_class(base: type) -> type:
     return front_door_class(base, PATCHED_CLASSES, _mixins)
 
 
-def _swap_class(obj: torch.nn.Module, cls: type) -> None:
-    """The one in-place class change (same object, buffers and state dict)."""
-    if type(obj) is not cls:
-        obj.__class__ = cls

@@ -107,3 +107,35 @@ def test_no_cluster_is_refused_before_any_file_is_written(tmp_path, files, worke
     with pytest.raises(Exception, match=r"--workers must be at least 1, got"):
         screen_fn(root / "a.xyz", workers=workers, output=out)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_line_and_screening_read_files_with_one_reader(tmp_path, monkeypatch):
+    # One reader of structure files (apps.structures.read_frames) for the local command
+    # and screening's non-extxyz inputs: the same frames and the same messages.
+    from ase.build import molecule
+
+    from torchani_fast.apps import cli, screen as screen_module, structures
+
+    frames = [molecule(name) for name in ("CH4", "H2O", "NH3")]
+    path = tmp_path / "mols.traj"
+    ase.io.write(path, frames)
+    calls = []
+    real = structures.read_frames
+
+    def counting(p, index=":"):
+        calls.append((str(p), index))
+        return real(p, index)
+
+    monkeypatch.setattr(cli, "read_frames", counting)
+    monkeypatch.setattr(screen_module, "read_frames", counting)
+    local = cli._read(path, "1:")
+    items = screen_module._items([path], "1:")
+    assert calls == [(str(path), "1:"), (str(path), "1:")]
+    assert [k for k, _ in local] == [it["frame"] for it in items] == [1, 2]
+    assert [a.get_chemical_formula() for _, a in local] == [it["atoms"].get_chemical_formula() for it in items]
+    messages = []
+    for read in (lambda: cli._read(path, "7"), lambda: screen_module._items([path], "7")):
+        with pytest.raises(Exception) as exc:
+            read()
+        messages.append(str(exc.value))
+    assert messages[0] == messages[1] == f"{path}: has 3 frame(s), no frame 7"

@@ -26,8 +26,8 @@ import typing as tp
 from pathlib import Path
 
 from .output import PartialFile, check_writable, terminate_as_interrupt, write_atomic
-from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch,
-                         frozen_copy, optimizer_class, plan_batches, progress)
+from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch, frozen_copy,
+                         optimizer_class, parse_index, plan_batches, progress, read_frames)
 
 __all__ = ["main", "CLIError"]
 
@@ -117,46 +117,21 @@ def _load_model(name: str, device: tp.Optional[str], dtype: str):
 
 
 def _read(path: Path, index: str) -> list:
-    """``[(frame, atoms)]`` for the frames of ``path`` that ``index`` selects.
-
-    ``index`` is ase.io.read's index string ("3", "-1", ":", "::10"); frame
-    numbers count from 0 in the file, so error messages can name them.
-    """
-    import ase.io
-
-    if not path.exists():
-        raise CLIError(f"{path}: no such file")
-    selection = _index(index)
+    """``[(frame, atoms)]`` for the frames of ``path`` that ``index`` selects
+    (:func:`~torchani_fast.apps.structures.read_frames`, screening's reader too)."""
+    _index(index)
     try:
-        frames = ase.io.read(str(path), index=":")
-    except Exception as exc:
-        raise CLIError(f"{path}: cannot be read by ASE ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(frames, list):
-        frames = [frames]
-    numbered = list(enumerate(frames))
-    if isinstance(selection, int):
-        if not -len(numbered) <= selection < len(numbered):
-            raise CLIError(f"{path}: has {len(numbered)} frame(s), no frame {selection}")
-        numbered = [numbered[selection]]
-    else:
-        numbered = numbered[selection]
-    if not numbered:
-        raise CLIError(f"{path}: no structures (frames {index!r} of {len(frames)})")
-    return numbered
+        return read_frames(path, index)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def _index(index: str):
-    """ase.io.read's index (int or slice) from ``index``, or CLIError."""
-    from ase.io.formats import string2index
-
+    """ase.io.read's index (int or slice) from ``index``, or CLIError naming -i."""
     try:
-        selection = string2index(index)
-    except (ValueError, TypeError):
-        selection = None
-    if selection is None or (isinstance(selection, slice) and selection.step == 0) \
-            or not isinstance(selection, (int, slice)):
-        raise CLIError(f"invalid frame index -i {index!r}; use e.g. 0, -1, :, 2:5 or ::10")
-    return selection
+        return parse_index(index)
+    except ValueError:
+        raise CLIError(f"invalid frame index -i {index!r}; use e.g. 0, -1, :, 2:5 or ::10") from None
 
 
 def _structures(paths: tp.Sequence[Path], index: str, name: str) -> list:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from .output import atomic_file, check_not_input
 from .screen_files import ScreenError, _Memory, _Partial, _entry, _write_energy
-from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch,
-                         frozen_copy, optimizer_class, plan_batches)
+from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch, frozen_copy,
+                         optimizer_class, plan_batches, read_frames, select_frames)
 from .structures import progress as _progress_bar
 
 __all__ = ["screen", "ScreenError", "local_cluster"]
@@ -153,24 +153,12 @@ def _read_frames(items: list) -> list:
             f.close()
 
 
-def _select(path: Path, count: int, index: str) -> tp.List[int]:
-    """Frame numbers that ``index`` (ase.io.read's index string) selects of ``count``."""
-    from ase.io.formats import string2index
-
+def _select(path, count: int, index: str) -> tp.List[int]:
+    """Frame numbers that ``index`` selects of ``count`` (structures.select_frames)."""
     try:
-        selection = string2index(index)
-    except ValueError:
-        raise ScreenError(f"invalid frame index {index!r}; use e.g. 0, -1, : or ::10") from None
-    numbers = list(range(count))
-    if isinstance(selection, int):
-        if not -count <= selection < count:
-            raise ScreenError(f"{path}: has {count} frame(s), no frame {selection}")
-        numbers = [numbers[selection]]
-    else:
-        numbers = numbers[selection]
-    if not numbers:
-        raise ScreenError(f"{path}: no structures (frames {index!r} of {count})")
-    return numbers
+        return select_frames(path, count, index)
+    except ValueError as exc:
+        raise ScreenError(str(exc)) from None
 
 
 def _inputs(files) -> tp.List[tp.Union[Path, tp.Tuple[str, list]]]:
@@ -236,8 +224,6 @@ def _fingerprint(source) -> dict:
 def _items(paths: tp.Sequence[tp.Union[Path, tp.Tuple[str, list]]], index: str) -> tp.List[dict]:
     """One work item per selected frame: file, frame and where to read it (or the
     structure itself, for the inputs that are ``Atoms``)."""
-    import ase.io
-
     items = []
     for path in paths:
         if isinstance(path, tuple):  # (name, [Atoms]) from _inputs
@@ -256,13 +242,12 @@ def _items(paths: tp.Sequence[tp.Union[Path, tp.Tuple[str, list]]], index: str) 
                               "natoms": frames[k][1], "key": frames[k][2]})
         else:  # other formats: read here and ship the structures (not lazy)
             try:
-                frames = ase.io.read(str(path), index=":")
-            except Exception as exc:
-                raise ScreenError(f"{path}: cannot be read by ASE ({type(exc).__name__}: {exc})") from exc
-            frames = frames if isinstance(frames, list) else [frames]
-            for k in _select(path, len(frames), index):
-                items.append({"file": str(path), "frame": k, "atoms": frames[k],
-                              "natoms": len(frames[k]), "key": batch_key(frames[k])})
+                frames = read_frames(path, index)
+            except ValueError as exc:
+                raise ScreenError(str(exc)) from None
+            for k, atoms in frames:
+                items.append({"file": str(path), "frame": k, "atoms": atoms,
+                              "natoms": len(atoms), "key": batch_key(atoms)})
     return items
 
 

@@ -7,6 +7,8 @@ error message and the same bits either way:
 
 - :data:`MODEL_NAMES`, :func:`elements`, :data:`CUTOFFS`: the models by name and
   what is known of them before their weights are loaded;
+- :func:`parse_index`, :func:`select_frames`, :func:`read_frames`: the one reader of
+  structure files and frame selections (the command line's and screening's);
 - :func:`check_structure`: the elements, finite positions and a usable cell;
 - :func:`batch_key` and :func:`plan_batches`: which structures share a padded call;
 - :func:`evaluate_batch` and :func:`batch_results`: one call and its per-structure results;
@@ -19,7 +21,7 @@ import typing as tp
 
 from .. import core, grad, registry
 
-__all__ = ["MODEL_NAMES", "CUTOFFS", "elements", "check_structure", "batch_key", "plan_batches",
+__all__ = ["MODEL_NAMES", "CUTOFFS", "elements", "parse_index", "select_frames", "read_frames", "check_structure", "batch_key", "plan_batches",
            "evaluate_batch", "batch_results", "optimizer_class", "frozen_copy", "progress"]
 
 #: The models' names in lower case -> as spelled by the registry (:mod:`torchani_fast.registry`).
@@ -33,6 +35,56 @@ CUTOFFS = {spec.name: spec.cutoff for spec in registry.MODELS}
 def elements(name: str) -> tp.Tuple[str, ...]:
     """The element symbols model ``name`` covers (known without loading it)."""
     return registry.by_name(name).elements
+
+
+def parse_index(index: str):
+    """``ase.io.read``'s frame selection (int or slice) of ``index`` ("3", "-1", ":",
+    "::10"); ``ValueError`` for anything else, a zero step included."""
+    from ase.io.formats import string2index
+
+    try:
+        selection = string2index(index)
+    except (ValueError, TypeError):
+        selection = None
+    if selection is None or (isinstance(selection, slice) and selection.step == 0) \
+            or not isinstance(selection, (int, slice)):
+        raise ValueError(f"invalid frame index {index!r}; use e.g. 0, -1, :, 2:5 or ::10")
+    return selection
+
+
+def select_frames(name, count: int, index: str) -> tp.List[int]:
+    """The frame numbers (from 0) that ``index`` selects of ``count`` frames of
+    ``name``; ``ValueError`` naming it when the selection is out of range or empty."""
+    selection = parse_index(index)
+    numbers = list(range(count))
+    if isinstance(selection, int):
+        if not -count <= selection < count:
+            raise ValueError(f"{name}: has {count} frame(s), no frame {selection}")
+        numbers = [numbers[selection]]
+    else:
+        numbers = numbers[selection]
+    if not numbers:
+        raise ValueError(f"{name}: no structures (frames {index!r} of {count})")
+    return numbers
+
+
+def read_frames(path, index: str = ":") -> list:
+    """``[(frame, atoms)]``: the frames of the structure file ``path`` (any format
+    ASE reads) that ``index`` selects, numbered from 0 in the file; ``ValueError``
+    naming the file when it is missing, unreadable or the selection empty."""
+    import ase.io
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such file")
+    parse_index(index)  # (a bad index is named before the file is read)
+    try:
+        frames = ase.io.read(str(path), index=":")
+    except Exception as exc:
+        raise ValueError(f"{path}: cannot be read by ASE ({type(exc).__name__}: {exc})") from exc
+    frames = frames if isinstance(frames, list) else [frames]
+    return [(k, frames[k]) for k in select_frames(path, len(frames), index)]
 
 
 def check_structure(name: str, where: str, atoms) -> None:

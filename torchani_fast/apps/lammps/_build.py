@@ -85,6 +85,8 @@ def command(output: str) -> tp.List[str]:
            f"-I{include}", f"-I{_mpi_include()}"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
     cmd += [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10", "-ldl"]
+    if torch.version.cuda is not None:  # a CUDA torch: `pair_style torchani_fast FILE device cuda`
+        cmd += ["-Wl,--no-as-needed", "-ltorch_cuda", "-lc10_cuda", "-Wl,--as-needed"]
     return cmd
 
 

@@ -6,7 +6,6 @@ dynamic shared memory to a pointer, then compiled as host C++ against
 emu_runtime.h (in place of csrc/common/cuda_common.cuh). See emu_runtime.h.
 """
 import re
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,9 +24,12 @@ def translate(source: str) -> str:
 
 
 def load(verbose=False):
-    """Compile (cached by torch in its extensions dir) and load; returns torch.ops.torchani_fast_emu."""
-    out = Path(tempfile.gettempdir()) / "torchani_fast_emu_src"
-    out.mkdir(exist_ok=True)
+    """Compile (cached in this checkout's build/cuda_emulation: two checkouts never share
+    a build, nor its lock) and load; returns torch.ops.torchani_fast_emu."""
+    base = CSRC.parent / "build" / "cuda_emulation"
+    out = base / "src"
+    out.mkdir(parents=True, exist_ok=True)
+    (base / "ext").mkdir(exist_ok=True)
     # The translated tree mirrors csrc/ (includes are relative to csrc/, and
     # -I{out} comes first), with common/cuda_common.cuh replaced by the emulator.
     (out / "common").mkdir(exist_ok=True)
@@ -53,6 +55,7 @@ def load(verbose=False):
     cpp_extension.load(
         name="torchani_fast_emu", sources=sources, extra_cflags=flags,
         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose,
+        build_directory=str(base / "ext"),
     )
     return torch.ops.torchani_fast_emu
 

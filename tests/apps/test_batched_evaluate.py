@@ -5,7 +5,6 @@ by the patched model and by stock TorchANI in this process (float64, 1e-10
 relative), whatever sizes, elements and cells share the call.
 """
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +12,8 @@ import torch
 
 import torchani_fast
 from torchani_fast import batched
+from support import read_molecule as _read
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +22,6 @@ def models():
 
     stock = torchani.models.ANI2x().double()
     return stock, torchani_fast.patch(copy.deepcopy(stock))
-
-
-def _read(name, index=None):
-    import ase.io
-
-    return ase.io.read(DATA / name, index=index) if index is not None else ase.io.read(DATA / name)
 
 
 def _alone(model, atoms):

@@ -3,15 +3,14 @@
 Velocity Verlet must follow ASE's VelocityVerlet on each replica alone (same
 start, float64); Langevin must hold the bath's temperature.
 """
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import torchani_fast
 from torchani_fast import batched_md
+from support import read_molecule as _read
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 pytestmark = pytest.mark.usefixtures("weights")
 
 
@@ -20,12 +19,6 @@ def model():
     import torchani
 
     return torchani_fast.patch(torchani.models.ANI2x().double())
-
-
-def _read(name, index=None):
-    import ase.io
-
-    return ase.io.read(DATA / name, index=index) if index is not None else ase.io.read(DATA / name)
 
 
 def test_velocity_verlet_follows_ase_per_replica(model):

@@ -6,7 +6,6 @@ positions (float64). In a batch, each structure must follow the trajectory it
 follows alone, whoever shares its calls, joins or leaves; failures are reported
 per structure and leave the others untouched.
 """
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +13,8 @@ import torch
 
 import torchani_fast
 from torchani_fast import batched
+from support import read_molecule as _read
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 pytestmark = pytest.mark.usefixtures("weights")
 
 
@@ -24,12 +23,6 @@ def model():
     import torchani
 
     return torchani_fast.patch(torchani.models.ANI2x().double())
-
-
-def _read(name, index=None):
-    import ase.io
-
-    return ase.io.read(DATA / name, index=index) if index is not None else ase.io.read(DATA / name)
 
 
 def _perturbed(atoms, scale, seed):

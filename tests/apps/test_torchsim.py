@@ -6,7 +6,6 @@ ASE calculator's; torch-sim's own FIRE relaxes to ASE FIRE's minimum, and its
 NVE integrator conserves the energy with this model.
 """
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +15,8 @@ ts = pytest.importorskip("torch_sim", reason="torch-sim-atomistic is not install
 
 import torchani_fast  # noqa: E402
 from torchani_fast.torchsim import ANIModel  # noqa: E402
+from support import read_molecule as _read
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 pytestmark = pytest.mark.usefixtures("weights")
 
 
@@ -27,12 +26,6 @@ def models():
 
     stock = torchani.models.ANI2x().double()
     return stock, torchani_fast.patch(copy.deepcopy(stock))
-
-
-def _read(name, index=None):
-    import ase.io
-
-    return ase.io.read(DATA / name, index=index) if index is not None else ase.io.read(DATA / name)
 
 
 def _molecules():

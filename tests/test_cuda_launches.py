@@ -10,7 +10,6 @@ one launch (views, allocations and metadata are none). On a GPU cuBLAS may
 launch more than one kernel per product, so the ATen part is a lower bound.
 Needs the emulator build: TORCHANI_FAST_EMULATE_CUDA=1 (minutes).
 """
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -76,13 +75,7 @@ class Emulated(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextlib.contextmanager
-def device_paths():
-    _device_paths.DEVICE_PATHS_ON_CPU = True
-    try:
-        yield
-    finally:
-        _device_paths.DEVICE_PATHS_ON_CPU = False
+device_paths = _device_paths.on_cpu  # (CPU tensors down the GPU code paths)
 
 
 def launches(emu, fn, *args):

@@ -7,10 +7,12 @@ a switch for the test suite: ``DEVICE_PATHS_ON_CPU = True`` makes CPU tensors
 take the device path, so that its host reads can be counted without a GPU
 (tests/test_host_syncs.py). Scripted code ignores the switch.
 """
+import contextlib
+
 import torch
 from torch import Tensor
 
-__all__ = ["host_path", "DEVICE_PATHS_ON_CPU"]
+__all__ = ["host_path", "DEVICE_PATHS_ON_CPU", "on_cpu"]
 
 DEVICE_PATHS_ON_CPU = False
 
@@ -25,3 +27,14 @@ def host_path(t: Tensor) -> bool:
     if torch.jit.is_scripting():
         return t.device.type == "cpu"
     return t.device.type == "cpu" and not _forced()
+
+
+@contextlib.contextmanager
+def on_cpu():
+    """Inside the block, CPU tensors take the code paths written for GPUs (tests)."""
+    global DEVICE_PATHS_ON_CPU
+    DEVICE_PATHS_ON_CPU = True
+    try:
+        yield
+    finally:
+        DEVICE_PATHS_ON_CPU = False

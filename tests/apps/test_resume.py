@@ -104,3 +104,30 @@ def test_resume_of_atoms_inputs_checks_the_structures(cluster, tmp_path):
     with pytest.raises(ScreenError, match=r"<atoms\[0:6\]> changed since"):
         screen_fn(frames, client=cluster, output=out, batch_size=2, dtype="float64", device="cpu",
                   resume=True)
+
+
+def test_resume_of_a_batched_optimize_completes_with_the_same_results(cluster, tmp_path):
+    """``optimize`` relaxes each task's share (64 structures) as one batch; a run
+    stopped after its first task, resumed, writes what an uninterrupted run writes
+    and relaxes only the structures of the tasks that had not finished."""
+    conformers = tmp_path / "ch4.xyz"
+    ase.io.write(conformers, ase.io.read(DATA / "screen_ch4.xyz", index=":"), format="extxyz")
+    n = len(ase.io.read(conformers, index=":"))
+    out = tmp_path / "relaxed.xyz"
+    options = dict(client=cluster, dtype="float64", device="cpu", fmax=0.05, steps=40)
+
+    def stop(records):
+        raise Stop
+
+    with pytest.raises(Stop):
+        screen_fn([conformers], "optimize", output=out, task_atoms=0, callback=stop, **options)
+    partial = Path(str(out) + ".partial")
+    assert partial.exists() and not out.exists()
+    relaxed_again = []
+    resumed = screen_fn([conformers], "optimize", output=out, resume=True,
+                        callback=relaxed_again.extend, **options)
+    fresh = tmp_path / "fresh.xyz"
+    screen_fn([conformers], "optimize", output=fresh, **options)
+    assert out.read_bytes() == fresh.read_bytes()
+    assert len(resumed) == n and not partial.exists()
+    assert 0 < len(relaxed_again) < n  # the first task's structures were not relaxed again

@@ -440,6 +440,8 @@ class GraphedSteps:
             reason = "the weights changed in place"
         self._key, self._graphed, self._captures = key, graph, 1
         self.step = self._build(*inputs(), graph, reason)
+        if self._graphed:  # (the epoch as the capture left it: building packs may move it)
+            self._key = (system, self._weights())
         return self.step
 
     def _build(self, species: Tensor, coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor],

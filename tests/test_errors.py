@@ -240,10 +240,12 @@ def test_cell_status_flags_every_cell_the_worded_checks_refuse():
              torch.eye(3) * float("inf"), torch.zeros(3, 3)]
     for _ in range(30):
         cells.append(torch.randn(3, 3, generator=gen, dtype=torch.float64) * 8)
-    species = torch.ones(1, 40, dtype=torch.long)
-    coords = torch.rand(1, 40, 3, generator=gen, dtype=torch.float64) * 10
+    # Too many images, few neighbours (one atom): only the image count refuses it.
+    cells.append(torch.diag(torch.tensor([0.05, 0.05, 1000.0])))
     seen = set()
-    for cell in cells:
+    for cell, atoms in [(c, 40) for c in cells] + [(cells[-1], 1)]:
+        species = torch.ones(1, atoms, dtype=torch.long)
+        coords = torch.rand(1, atoms, 3, generator=gen, dtype=torch.float64) * 10
         for bits in range(8):
             pbc = torch.tensor([bool(bits & 1), bool(bits & 2), bool(bits & 4)])
             c = cell.double()

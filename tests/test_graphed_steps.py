@@ -77,6 +77,9 @@ def test_ase_recaptures_when_weights_change_in_place(model):
     with _device_paths.on_cpu():
         atoms.calc = Calculator(own)
         atoms.get_potential_energy()
+        atoms.positions[0, 0] += 1e-3
+        atoms.get_potential_energy()  # unchanged weights: a replay
+        assert atoms.calc._steps.events == [("capture", "first use")]
         with torch.no_grad():
             for p in own.parameters():
                 p.mul_(1.01)

@@ -50,7 +50,7 @@ from .patch import is_patched, kept_parts, nnp_of
 from .potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList
 from .validation import check_periodic_work
 
-__all__ = ["EnergyForcesStep", "GrowingStep"]
+__all__ = ["EnergyForcesStep", "GraphedSteps", "GrowingStep"]
 
 
 def _room(num_pairs: int) -> int:

@@ -12,7 +12,9 @@ and ``get_stress()`` costs one evaluation. The species, cell and pbc tensors are
 built once and reused while the atoms keep their elements and cell; molecules
 (no periodic axis) of an eager patched model run through a
 :class:`~torchani_fast.step.GrowingStep` kept for those atoms, whose input
-tensor each new geometry is copied into. Results are those of TorchANI's
+tensor each new geometry is copied into; on a GPU that step is captured in a
+CUDA graph and replayed (``cuda_graphs=False`` turns it off; see
+:class:`~torchani_fast.step.GraphedSteps`). Results are those of TorchANI's
 calculator: eV, eV/Å and eV/Å³.
 
 One calculator may be shared by threads: ASE's calculators keep the atoms and
@@ -237,7 +239,7 @@ class Calculator(_AseCalculator):
         if self._steppable:
             from ..step import GraphedSteps
 
-            self._steps = GraphedSteps(model, cuda_graphs=self.cuda_graphs)
+            self._steps = GraphedSteps(model, cuda_graphs=getattr(self, "cuda_graphs", True))
 
     def _check_model(self) -> None:
         """Rebuild the caches if the model was replaced (``calc.model = other``)

@@ -10,7 +10,9 @@ kJ/mol and kJ/mol/nm. :class:`ANIComputation` is that function. Per call it
   between calls;
 - compares the box with the previous call's (nine numbers) and, only when a
   barostat changed it, copies the new cell into the step's cell tensor in place;
-- runs the step and converts Hartree -> kJ/mol and Hartree/Å -> kJ/mol/nm.
+- runs the step (on a GPU, a CUDA graph captured at the first call:
+  :class:`~torchani_fast.step.GraphedSteps`) and converts Hartree -> kJ/mol
+  and Hartree/Å -> kJ/mol/nm, reading the results back in one copy.
 
 No tensor is built per call for the species, cell or pbc. The neighbour list
 has a fixed capacity (see :class:`~torchani_fast.EnergyForcesStep`); if a

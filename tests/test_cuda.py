@@ -544,3 +544,75 @@ def test_non_default_stream():
     torch.cuda.synchronize()
     torch.testing.assert_close(e, e_ref, rtol=0, atol=0)
     assert_forces_equal_to_rounding(f, f_ref)
+
+
+# ---------------------------------------------------------------------------
+# Automatic CUDA graphs of the front ends (GraphedSteps): the decisions are tested
+# on the CPU (test_graphed_steps.py); here, that replays equal eager results.
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ase_calculator_replays_a_cuda_graph_equal_to_eager(dtype):
+    import copy
+
+    import numpy as np
+    from ase.md.verlet import VelocityVerlet
+    import ase.units
+
+    from torchani_fast.apps.ase import Calculator
+    from support import read_molecule
+
+    model = torchani_fast.patch(random_model()).to("cuda", dtype).requires_grad_(False)
+    start = read_molecule("2iuz_ligand.xyz")
+    runs = []
+    for graphs in (True, False):
+        own = copy.deepcopy(model)
+        atoms = start.copy()
+        atoms.calc = calc = Calculator(own, cuda_graphs=graphs)
+        VelocityVerlet(atoms, 0.5 * ase.units.fs).run(5)
+        energies = [atoms.get_potential_energy()]
+        with torch.no_grad():  # weights changed in place: a graph must be re-captured
+            for p in own.parameters():
+                p.mul_(1.01)
+        atoms.positions[0, 0] += 1e-3
+        energies.append(atoms.get_potential_energy())
+        atoms.positions *= 0.7  # denser: the list overflows, more room (a new capture)
+        energies.append(atoms.get_potential_energy())
+        runs.append((energies, atoms.get_forces(), calc))
+    (e_graph, f_graph, graphed), (e_eager, f_eager, eager) = runs
+    assert [a for a, _ in graphed._steps.events] == ["capture"] * 3, graphed._steps.events
+    assert graphed._step.step._graph is not None
+    assert [a for a, _ in eager._steps.events] == ["eager"] * 2 and eager._step.step._graph is None
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    np.testing.assert_allclose(e_graph, e_eager, rtol=tol)
+    np.testing.assert_allclose(f_graph, f_eager, rtol=0, atol=tol * 100 * np.abs(f_eager).max())
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_graphed_periodic_step_follows_a_box_changed_in_place(dtype):
+    """What the OpenMM force does under a barostat: the new box copied into the
+    captured cell tensor, the graph replayed, equal to an eager model call."""
+    import numpy as np
+
+    from torchani_fast.step import GraphedSteps
+
+    model = torchani_fast.patch(random_model()).to("cuda", dtype).requires_grad_(False)
+    z, x, cell, pbc = water_box(64, seed=3)
+    species, coords = z.cuda(), x.to("cuda", dtype)
+    cell, pbc = cell.to("cuda", dtype), pbc.cuda()
+    steps = GraphedSteps(model)
+    steps.get(True, lambda: (species, coords.clone(), cell, pbc))
+    assert steps.events == [("capture", "first use")] and steps.step.step._graph is not None
+    original = cell.clone()
+    for scale in (1.0, 1.02, 0.99):
+        cell.copy_(original * scale)
+        positions = (x * scale).numpy()[0]
+        energies, forces = steps.host_call(positions)
+        want = model.energies_forces(species, (x * scale).to("cuda", dtype), cell, pbc)
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+        np.testing.assert_allclose(energies, want.energies.cpu().numpy(), rtol=tol)
+        np.testing.assert_allclose(forces, want.forces.cpu().numpy(), rtol=0,
+                                   atol=tol * 100 * float(want.forces.abs().max()))
+    assert steps.events == [("capture", "first use")]

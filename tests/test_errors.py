@@ -212,3 +212,50 @@ def test_cxx_op_messages_carry_their_numbers():
     cell = torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 0.0], [4.0, 6.0, 0.0]], dtype=torch.float64)
     with pytest.raises(RuntimeError, match=r"cell is singular \(determinant 0\), got cell"):
         ops.neighbor_pairs(species, coords, cell, torch.ones(3, dtype=torch.bool), 5.2, False)
+
+
+CELL_CASES = ("singular cell", "nan cell", "cell shape", "pbc without cell", "cell without pbc", "cell dtype")
+
+
+@pytest.mark.parametrize("case", CELL_CASES)
+def test_bad_cell_is_named_on_the_device_path(models, case):
+    """The GPU path reads one status of the cell's checks, then words the error as the CPU does."""
+    from torchani_fast import _device_paths
+
+    _, fast, _ = models
+    make, pattern = BAD_INPUTS[case]
+    species, coords, kw = make(*water())
+    with _device_paths.on_cpu(), pytest.raises(ERRORS, match=pattern):
+        fast((species, coords), **kw)
+
+
+def test_cell_status_flags_every_cell_the_worded_checks_refuse():
+    """``_cell_status`` (the device path's one read) is 0 only for cells that
+    ``check_periodic_work`` passes; nonzero for all it refuses (nm cells included)."""
+    from torchani_fast.validation import _cell_status, check_periodic_work
+
+    gen = torch.Generator().manual_seed(0)
+    cells = [torch.eye(3) * 10, torch.eye(3) * 1.0, torch.eye(3) * 0.3, torch.diag(torch.tensor([10.0, 10.0, 0.0])),
+             torch.tensor([[5.0, 0, 0], [10.0, 0, 0], [0, 0, 5.0]]), torch.eye(3) * float("nan"),
+             torch.eye(3) * float("inf"), torch.zeros(3, 3)]
+    for _ in range(30):
+        cells.append(torch.randn(3, 3, generator=gen, dtype=torch.float64) * 8)
+    # Too many images, few neighbours (one atom): only the image count refuses it.
+    cells.append(torch.diag(torch.tensor([0.05, 0.05, 1000.0])))
+    seen = set()
+    for cell, atoms in [(c, 40) for c in cells] + [(cells[-1], 1)]:
+        species = torch.ones(1, atoms, dtype=torch.long)
+        coords = torch.rand(1, atoms, 3, generator=gen, dtype=torch.float64) * 10
+        for bits in range(8):
+            pbc = torch.tensor([bool(bits & 1), bool(bits & 2), bool(bits & 4)])
+            c = cell.double()
+            try:
+                check_periodic_work(species, coords, c, pbc, 5.2)
+                refused = False
+            except ValueError:
+                refused = True
+            status = int(_cell_status(species, c, pbc, 5.2, 1e5, 3000.0))
+            if refused:
+                assert status != 0, (c, pbc)
+            seen.add((refused, status != 0))
+    assert (True, True) in seen and (False, False) in seen

@@ -12,6 +12,7 @@ except ``neighbor_pairs`` (docs/cuda.md), which is counted as one.
 """
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -138,7 +139,12 @@ def test_energy_forces_step_has_no_host_sync(system):
 
 # Host synchronisations of one model-API call (model.energies_forces) on the device
 # paths, by kind: the bound the GPU path keeps (see the issue: the target is 0).
+# Molecules: the input values and the species (one status read each), the exact
+# neighbour list's length, the element groups of the networks. Periodic calls add
+# the cell's one status read and, through TorchANI's forward calling
+# compute_from_neighbors, a second input check and the neighbour-list check.
 MODEL_API_SYNCS = {"_local_scalar_dense": 2, "neighbor_pairs": 1, "copy to host (cpu)": 1}
+PERIODIC_MODEL_API_SYNCS = {"_local_scalar_dense": 5, "neighbor_pairs": 1, "copy to host (cpu)": 1}
 
 
 def test_model_api_host_syncs(system):
@@ -151,3 +157,70 @@ def test_model_api_host_syncs(system):
     torch.testing.assert_close(got.energies, want.energies, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got.forces, want.forces, rtol=1e-12, atol=1e-12)
     assert mode.counts == MODEL_API_SYNCS
+
+
+def test_periodic_model_api_host_syncs(system):
+    """The cell's checks cost one read on the device path (each check was a read before)."""
+    model, species, coords = system
+    cell, pbc = torch.eye(3, dtype=torch.float64) * 20.0, torch.ones(3, dtype=torch.bool)
+    with device_paths():
+        model.energies_forces(species, coords, cell, pbc)
+        mode, got = count(model.energies_forces, species, coords, cell, pbc)
+    print("periodic model API host syncs:", mode.counts)
+    want = model.energies_forces(species, coords, cell, pbc)
+    torch.testing.assert_close(got.energies, want.energies, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.forces, want.forces, rtol=1e-12, atol=1e-12)
+    assert mode.counts == PERIODIC_MODEL_API_SYNCS
+
+
+# The one read a host program makes anyway: the results, copied to the host.
+RESULTS_READ = {"copy to host (cpu)": 1}
+
+
+def test_ase_get_forces_reads_the_device_once(system):
+    """A molecule's get_forces: the results come back in one copy, with the
+    neighbour list's pair count inside it (nothing else is read)."""
+    from torchani_fast.apps.ase import Calculator
+    from support import read_molecule
+
+    model = system[0]
+    atoms = read_molecule("3lka_ligand.xyz")
+    with device_paths():
+        atoms.calc = Calculator(model)
+        atoms.get_forces()
+        for _ in range(2):
+            atoms.positions[0, 0] += 1e-3
+            mode, forces = count(atoms.get_forces)
+            assert mode.counts == RESULTS_READ, mode.counts
+    assert atoms.calc._steps.events == [("capture", "first use")]
+    want = Calculator(model)
+    np.testing.assert_allclose(forces, want.get_forces(atoms), rtol=0, atol=1e-10)
+
+
+def test_openmm_call_reads_the_device_once(system):
+    """An OpenMM force evaluation (vacuum and periodic): one copy of the results."""
+    openmm = pytest.importorskip("openmm", reason="openmm is not installed")
+    from torchani_fast.openmm import ANIComputation
+    from torchani_fast.testing import water_box
+
+    numbers, coords, cell, _ = water_box(8)
+    for periodic in (False, True):
+        with device_paths():
+            try:
+                compute = ANIComputation("ani2x-fast", numbers[0].tolist(), periodic, dtype=torch.float64)
+            except Exception as exc:  # no weights under TORCHANI_DATA_DIR
+                pytest.skip(f"ani2x-fast weights are not available: {exc}")
+            system_ = openmm.System()
+            system_.setDefaultPeriodicBoxVectors(*[openmm.Vec3(*r) for r in cell.numpy() / 10])
+            for z in numbers[0].tolist():
+                system_.addParticle(16.0 if z == 8 else 1.0)
+            ctx = openmm.Context(system_, openmm.VerletIntegrator(0.0005),
+                                 openmm.Platform.getPlatformByName("Reference"))
+            ctx.setPositions(coords[0].numpy() / 10.0)
+            state = ctx.getState(getPositions=True)
+            compute(state)
+            mode, (energy, forces) = count(compute, state)
+        assert mode.counts == RESULTS_READ, (periodic, mode.counts)
+        want = ANIComputation("ani2x-fast", numbers[0].tolist(), periodic, dtype=torch.float64)(state)
+        assert energy == pytest.approx(want[0], rel=1e-12)
+        np.testing.assert_allclose(forces, want[1], rtol=0, atol=1e-8)

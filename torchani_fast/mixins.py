@@ -45,14 +45,16 @@ class FrontDoor:
     """Eager-only conveniences that :func:`torchani_fast.patch` adds to a model."""
 
     @torch.jit.unused
-    def ase(self, overwrite: bool = False, stress_kind: str = "scaling", jit: bool = False):
+    def ase(self, overwrite: bool = False, stress_kind: str = "scaling", jit: bool = False,
+            cuda_graphs: bool = True):
         """An ASE calculator (:class:`torchani_fast.ase.Calculator`) for this model.
 
         Same arguments as ``torchani.arch.ANI.ase``; one model evaluation serves
-        energy, forces and stress.
+        energy, forces and stress. ``cuda_graphs=False``: on a GPU, no CUDA graph
+        of molecules' steps (docs/cuda.md).
         """
         model = torch.jit.script(self) if jit else self
-        return front_end("ase")(model, overwrite=overwrite, stress_kind=stress_kind)
+        return front_end("ase")(model, overwrite=overwrite, stress_kind=stress_kind, cuda_graphs=cuda_graphs)
 
     @torch.jit.unused
     def energies_forces(self, species, coords, cell=None, pbc=None):

@@ -50,7 +50,7 @@ from .patch import is_patched, kept_parts, nnp_of
 from .potentials import FastDispersionD3, FastRepulsionXTB, UnboundedNeighborList
 from .validation import check_periodic_work
 
-__all__ = ["EnergyForcesStep", "GrowingStep"]
+__all__ = ["EnergyForcesStep", "GraphedSteps", "GrowingStep"]
 
 
 def _room(num_pairs: int) -> int:
@@ -312,7 +312,12 @@ class GrowingStep:
 
     def __call__(self, coords: Tensor) -> tp.Tuple[Tensor, Tensor]:
         energies, forces = self.step(coords)
-        num_pairs = int(self.step.num_pairs)
+        return self._settled(coords, energies, forces, int(self.step.num_pairs))
+
+    def _settled(self, coords: Tensor, energies: Tensor, forces: Tensor,
+                 num_pairs: int) -> tp.Tuple[Tensor, Tensor]:
+        """The call's results, given its pair count read on the host: recomputed
+        by a step with room if the list overflowed; raises for bad input."""
         if num_pairs > self.step.max_pairs:  # a denser geometry: more room, the same call again
             self.step = self._build(coords, _room(num_pairs))
             energies, forces = self.step(coords)
@@ -320,6 +325,12 @@ class GrowingStep:
         if num_pairs < 0 or num_pairs > self.step.max_pairs:
             self.step.check()  # raises, naming the problem (non-finite coordinates, a singular cell)
         return energies, forces
+
+    @staticmethod
+    def _to_host(num_pairs: Tensor, energies: Tensor, forces: Tensor) -> Tensor:
+        """[pair count, energies..., forces...] as one float64 host tensor (one copy)."""
+        return torch.cat([num_pairs.reshape(1).double(), energies.reshape(-1).double(),
+                          forces.reshape(-1).double()]).cpu()
 
     def host_call(self, positions: np.ndarray, *, angstrom_per_unit: float = 1.0,
                   energy_per_hartree: float = 1.0) -> tp.Tuple[np.ndarray, np.ndarray]:
@@ -333,13 +344,149 @@ class GrowingStep:
         """
         x = self.coords
         force_unit = energy_per_hartree * angstrom_per_unit
-        if x.device.type == "cpu":
+        if host_path(x):
             np.multiply(positions, angstrom_per_unit, out=x.numpy(), casting="same_kind")
             energies, forces = (t.numpy() for t in self(x))
         else:
             x.copy_(torch.from_numpy(np.multiply(positions, angstrom_per_unit)))
-            energies, forces = self(x)
-            flat = torch.cat([energies.reshape(-1), forces.reshape(-1)]).cpu().numpy()
-            energies, forces = flat[:energies.numel()], flat[energies.numel():].reshape(forces.shape)
+            energies, forces = self.step(x)
+            # The pair count travels with the results: one device -> host copy
+            # (float64 holds any count exactly), then the count is checked here.
+            flat = self._to_host(self.step.num_pairs, energies, forces)
+            if not 0 <= int(flat[0]) <= self.step.max_pairs:  # (rare: more room, or an error)
+                energies, forces = self._settled(x, energies, forces, int(flat[0]))
+                flat = self._to_host(self.step.num_pairs, energies, forces)
+            m = energies.numel()
+            energies, forces = flat[1:1 + m].numpy(), flat[1 + m:].numpy().reshape(forces.shape)
         return (np.multiply(energies, energy_per_hartree, dtype=np.float64),
                 np.multiply(forces, force_unit, dtype=np.float64))
+
+
+class GraphedSteps:
+    """The step of a front end's current system, captured in a CUDA graph on first use.
+
+    The ASE calculator, the OpenMM force and ``torchani-fast md`` evaluate one
+    system call after call. This object keeps a :class:`GrowingStep` for the
+    system it last saw, keyed by what the caller says identifies it (the
+    species and pbc, as host values: no device read), and decides per call:
+
+    - **capture** (a new step in a CUDA graph) on the first call of a system,
+      when ``cuda_graphs`` is on and the inputs are on a GPU;
+    - **replay** while the key is the same; the positions (and, through the
+      caller's cell tensor, a changed box) are copied into the step's static
+      inputs;
+    - **re-capture** when the key changes (other atoms, other pbc), when the
+      model's weights changed in place (the graph replays the weights it
+      captured; the networks' pack epoch says when), or when a denser geometry
+      overflows the neighbour list's capacity (:class:`GrowingStep`: more room,
+      the call recomputed);
+    - **eager** (no graph) when ``cuda_graphs`` is off, on the CPU, after a
+      capture failed (a warning says why), or once a system's capacity has
+      overflowed ``max_recaptures`` times (each capture costs more than the
+      calls it speeds up then).
+
+    ``events`` lists the decisions, oldest first, as ``(action, reason)``
+    (the last 100). The decisions follow :func:`torchani_fast._device_paths.host_path`,
+    so the test suite exercises them on the CPU with ``_device_paths.on_cpu()``:
+    the steps then run eagerly where a GPU would capture.
+    """
+
+    MAX_EVENTS = 100
+
+    def __init__(self, model: torch.nn.Module, cuda_graphs: bool = True, max_recaptures: int = 4):
+        self.model = model
+        self.cuda_graphs = bool(cuda_graphs)
+        self.max_recaptures = max_recaptures
+        self.events: tp.List[tp.Tuple[str, str]] = []
+        self.step: tp.Optional[GrowingStep] = None
+        self._key: tp.Optional[tuple] = None
+        self._graphed = False  # whether self.step captures
+        self._captures = 0  # captures of the current system (the first, then one per overflow)
+        self._failed: tp.Optional[str] = None  # why capture failed (then eager from there on)
+        self._eager_keys: tp.Set[tp.Hashable] = set()  # systems that overflowed too often
+
+    def _log(self, action: str, reason: str) -> None:
+        self.events.append((action, reason))
+        del self.events[:-self.MAX_EVENTS]
+
+    def wants_graph(self) -> bool:
+        """Whether a new step would be captured (graphs on, the model on a GPU, no failed capture)."""
+        return self.cuda_graphs and not host_path(core.model_float(self.model)) and self._failed is None
+
+    def _weights(self) -> int:
+        """The networks' pack epoch (-1: packs built at every call, inside the graph too)."""
+        epoch = getattr(nnp_of(self.model).neural_networks, "_weights_epoch", None)
+        return -1 if epoch is None else int(epoch())
+
+    def get(self, system: tp.Hashable,
+            inputs: tp.Callable[[], tp.Tuple[Tensor, Tensor, tp.Optional[Tensor], tp.Optional[Tensor]]]
+            ) -> GrowingStep:
+        """The step for ``system`` (a host key: the species and pbc); if there is
+        none for it yet, or the one there is must be re-captured, one built from
+        ``inputs()``: species, coords (a geometry; the tensor the step's calls
+        are copied into), cell and pbc (kept by reference: a cell changed in
+        place moves every later call, replays included, to the new box)."""
+        graph = self.wants_graph() and system not in self._eager_keys
+        key = (system, self._weights() if graph else None)
+        if self.step is not None and key == self._key and graph == self._graphed:
+            return self.step  # replay (or the eager step)
+        if self.step is None or self._key is None:
+            reason = "first use"
+        elif system != self._key[0]:
+            reason = "the species or pbc changed"
+        elif graph != self._graphed:
+            reason = "graphs turned " + ("on" if graph else "off")
+        else:
+            reason = "the weights changed in place"
+        self._key, self._graphed, self._captures = key, graph, 1
+        self.step = self._build(*inputs(), graph, reason)
+        if self._graphed:  # (the epoch as the capture left it: building packs may move it)
+            self._key = (system, self._weights())
+        return self.step
+
+    def _build(self, species: Tensor, coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor],
+               graph: bool, reason: str) -> GrowingStep:
+        if not graph:
+            self._log("eager", reason)
+            return GrowingStep(self.model, species, coords, cell, pbc, cuda_graph=False)
+        try:
+            step = GrowingStep(self.model, species, coords, cell, pbc, cuda_graph=True)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            if "capture" not in str(exc).lower() and "graph" not in str(exc).lower():
+                raise  # bad input: the eager step would raise the same
+            import warnings
+
+            self._failed = str(exc)
+            warnings.warn(f"torchani_fast: CUDA graph capture failed ({exc}); running eagerly "
+                          "(pass cuda_graphs=False to skip the attempt)")
+            self._graphed = False
+            self._key = (self._key[0], None)
+            self._log("eager", "capture failed")
+            return GrowingStep(self.model, species, coords, cell, pbc, cuda_graph=False)
+        self._log("capture", reason)
+        return step
+
+    def host_call(self, positions: np.ndarray, **units) -> tp.Tuple[np.ndarray, np.ndarray]:
+        """:meth:`GrowingStep.host_call` of the current step, noting re-captures on overflow
+        (and going eager for this system after ``max_recaptures``)."""
+        step = self.step
+        assert step is not None, "GraphedSteps.get first"
+        builds = step.builds
+        out = step.host_call(positions, **units)
+        if step.builds != builds:
+            if not self._graphed:
+                self._log("eager", "the neighbour list overflowed: more room")
+            elif self._captures < self.max_recaptures:
+                self._captures += 1
+                self._log("capture", "the neighbour list overflowed: more room")
+            else:
+                system = self._key[0]
+                self._eager_keys.add(system)
+                self._log("eager", "the neighbour list overflowed {} times".format(self._captures))
+                model, species, cell, pbc = step._inputs
+                self.step = GrowingStep(model, species, step.coords, cell, pbc,
+                                        max_pairs=step.step.max_pairs, cuda_graph=False)
+                self._key, self._graphed = (system, None), False
+        return out

@@ -361,6 +361,9 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
         # Traced: the checking op runs this function on the values when the graph runs.
         ops.check_cell_values(species, coords.detach(), cell.detach(), pbc, cutoff)
         return
+    if not host_path(cell) and int(_cell_status(species, cell.detach(), pbc, cutoff, max_images,
+                                                max_neighbors)) == 0:
+        return  # (one read of the device: the checks below word an error, or find nothing)
     # One C++ op says whether the cell is finite and non-singular (most calls);
     # otherwise the element-wise checks below word the error.
     if not (host_path(cell) and bool(ops.valid_cell(cell.detach(), pbc))):
@@ -417,6 +420,31 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
             "per atom within the {} Å cutoff (real matter has at most ~150; the limit is {}). "
             "Is the cell (or are the coordinates) in nm or bohr instead of Å? cell {}".format(
                 atoms, _num(searched), _num(neighbors), cutoff, _num(max_neighbors), rows))
+
+
+def _cell_status(species: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, max_images: float,
+                 max_neighbors: float) -> Tensor:
+    """0 (a 0-dim device tensor) where :func:`check_periodic_work` would pass ``cell``
+    without looking at the atoms' extents; nonzero where it may raise: a non-finite
+    cell, a zero periodic lattice vector, a singular cell, too many images, or
+    more neighbours per atom than ``max_neighbors`` by the bound that counts every
+    slot as an atom. Computed on the device: reading it is the check's one sync."""
+    rows = cell.double()
+    lengths = rows.pow(2).sum(1).sqrt()
+    crosses = torch.linalg.cross(rows.roll(-1, 0), rows.roll(-2, 0))  # row a: b x c
+    det = (rows[0] * crosses[0]).sum()
+    volume = det.abs()
+    spacing = volume / crosses.pow(2).sum(1).sqrt()
+    images = torch.where(pbc, 2.0 * (torch.floor(spacing.reciprocal() * cutoff) + 1.0) + 1.0, torch.ones_like(spacing)).prod()
+    fractions = torch.where(pbc, torch.ones_like(spacing), spacing.reciprocal() * (2.0 * cutoff))
+    sphere = 4.0 / 3.0 * 3.141592653589793 * cutoff ** 3
+    neighbors = (volume * fractions.prod()).reciprocal() * (species.shape[1] * sphere)
+    bad = ~torch.isfinite(rows).all()
+    any_periodic = pbc.any()
+    bad = bad | (pbc & ~(lengths > 0.0)).any()
+    bad = bad | (any_periodic & ~(volume > 1e-8 * lengths.prod()))
+    bad = bad | (any_periodic & ~(images <= max_images)) | (any_periodic & ~(neighbors <= max_neighbors))
+    return bad.long()
 
 
 def _check_cell_values(coords: Tensor, cell: Tensor, pbc: Tensor) -> None:

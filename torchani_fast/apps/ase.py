@@ -12,7 +12,9 @@ and ``get_stress()`` costs one evaluation. The species, cell and pbc tensors are
 built once and reused while the atoms keep their elements and cell; molecules
 (no periodic axis) of an eager patched model run through a
 :class:`~torchani_fast.step.GrowingStep` kept for those atoms, whose input
-tensor each new geometry is copied into. Results are those of TorchANI's
+tensor each new geometry is copied into; on a GPU that step is captured in a
+CUDA graph and replayed (``cuda_graphs=False`` turns it off; see
+:class:`~torchani_fast.step.GraphedSteps`). Results are those of TorchANI's
 calculator: eV, eV/Å and eV/Å³.
 
 One calculator may be shared by threads: ASE's calculators keep the atoms and
@@ -152,6 +154,12 @@ class Calculator(_AseCalculator):
         list; "numerical" uses central differences of the energy with respect to
         strain (12 extra energy evaluations, with a step suited to the dtype).
         "scaling" and "fdotr" come out of the same backward pass as the forces.
+    cuda_graphs : bool
+        On a GPU, capture the step of a molecule (no periodic axis) in a CUDA
+        graph on its first geometry and replay it for the next ones (default);
+        re-captured when the atoms, the pbc or the weights change, or when a
+        denser geometry needs a larger neighbour list
+        (:class:`~torchani_fast.step.GraphedSteps`). False: always eager.
     **kwargs
         Passed to ``ase.calculators.calculator.Calculator`` (e.g. ``label``).
 
@@ -171,13 +179,14 @@ class Calculator(_AseCalculator):
     implemented_properties = ["energy", "free_energy", "forces", "stress"]
 
     def __init__(self, model: torch.nn.Module, overwrite: bool = False,
-                 stress_kind: str = "scaling", **kwargs):
+                 stress_kind: str = "scaling", cuda_graphs: bool = True, **kwargs):
         super().__init__(**kwargs)
         if stress_kind not in STRESS_KINDS:
             raise ValueError(f"stress_kind must be one of {STRESS_KINDS}, got {stress_kind!r}")
         self.model = model
         self._overwrite = overwrite
         self._stress_kind = stress_kind
+        self.cuda_graphs = bool(cuda_graphs)
         # ASE keeps the last atoms and results on the calculator: one lock spans
         # check_state, calculate and the copy of the result (re-entrant, since
         # get_property calls calculate).
@@ -223,10 +232,14 @@ class Calculator(_AseCalculator):
         self._workspace = Workspace()  # the CPU ops' outputs reuse the last call's memory
         self._aev_features = int(getattr(getattr(model, "aev_computer", None), "out_dim", 0))
         # Non-periodic atoms of an eager patched model: a GrowingStep for the
-        # current species (built on their first geometry, dropped when they
-        # change; its input tensor is refilled in place).
+        # current species (built on their first geometry, rebuilt when they
+        # change; its input tensor is refilled in place), in a CUDA graph on a GPU.
         self._steppable = _steppable(model, self._device)
-        self._step = None
+        self._steps = None
+        if self._steppable:
+            from ..step import GraphedSteps
+
+            self._steps = GraphedSteps(model, cuda_graphs=getattr(self, "cuda_graphs", True))
 
     def _check_model(self) -> None:
         """Rebuild the caches if the model was replaced (``calc.model = other``)
@@ -243,7 +256,7 @@ class Calculator(_AseCalculator):
         state = self.__dict__.copy()
         for name in ("_lock", "_bound_model", "_key", "_numbers", "_species", "_elem_idxs", "_cell_key",
                      "_cell", "_pbc", "_volume", "_eye", "_workspace", "_aev_features", "_steppable",
-                     "_step", "_device", "_dtype", "_supported"):
+                     "_steps", "_device", "_dtype", "_supported"):
             state.pop(name, None)
         if isinstance(self.model, torch.jit.ScriptModule):  # (pickle takes no ScriptModule: its archive)
             import io
@@ -259,6 +272,11 @@ class Calculator(_AseCalculator):
             self.model = self.model.load()
         self._lock = threading.RLock()
         self._bind()
+
+    @property
+    def _step(self):
+        """The current molecule's :class:`~torchani_fast.step.GrowingStep` (None before one)."""
+        return None if self._steps is None else self._steps.step
 
     @property
     def device(self) -> torch.device:
@@ -278,7 +296,6 @@ class Calculator(_AseCalculator):
             species = torch.tensor(numbers, dtype=torch.long, device=self._device).unsqueeze(0)
             self._elem_idxs = self.model.species_converter(species)
             self._species = species
-            self._step = None  # (a step holds the old species)
             self._numbers = numbers.copy()
         return self._species, self._elem_idxs
 
@@ -362,14 +379,11 @@ class Calculator(_AseCalculator):
 
     def _stepped(self, species: Tensor, positions: np.ndarray) -> np.ndarray:
         """[energy, forces...] in eV and eV/Å of non-periodic atoms, from the
-        species' :class:`~torchani_fast.step.GrowingStep`: the positions are
-        copied into the step's input tensor, Hartree -> eV in float64."""
-        if self._step is None:  # new atoms: a step sized on this geometry
-            from ..step import GrowingStep
-
-            # (eager on CUDA too: a captured graph would replay the weights it captured)
-            self._step = GrowingStep(self.model, species, self._coords(), cuda_graph=False)
-        energies, forces = self._step.host_call(positions, energy_per_hartree=ase.units.Hartree)
+        species' :class:`~torchani_fast.step.GrowingStep` (:class:`~torchani_fast.step.GraphedSteps`):
+        the positions are copied into the step's input tensor, Hartree -> eV in float64."""
+        # The species' step: built (sized on this geometry) for new atoms, else replayed.
+        self._steps.get(self._numbers.tobytes(), lambda: (species, self._coords(), None, None))
+        energies, forces = self._steps.host_call(positions, energy_per_hartree=ase.units.Hartree)
         return np.concatenate((energies, forces.reshape(-1)))
 
     def _coords(self) -> Tensor:

@@ -344,7 +344,7 @@ def _run_md(args) -> int:
     ((_, frame, atoms),) = _structures([args.file], str(args.frame), args.model)
     atoms = atoms.copy()
     model = _load_model(args.model, args.device, args.dtype)
-    atoms.calc = Calculator(model)
+    atoms.calc = Calculator(model, cuda_graphs=not args.no_cuda_graphs)
     rng = np.random.default_rng(args.seed)
     if args.temperature > 0 and not args.keep_velocities:
         _maxwell_boltzmann(atoms, args.temperature, rng)
@@ -630,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extended XYZ trajectory (default md.xyz)")
     p.add_argument("--log", type=Path, default=None,
                    help="MD log file (default: the trajectory name with .log)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on a GPU, evaluate every step eagerly instead of replaying a CUDA graph "
+                        "captured at the first step (molecules; periodic systems run eagerly anyway)")
     _common(p, "float64")
     p.set_defaults(run=_run_md)
     return parser

@@ -10,7 +10,9 @@ kJ/mol and kJ/mol/nm. :class:`ANIComputation` is that function. Per call it
   between calls;
 - compares the box with the previous call's (nine numbers) and, only when a
   barostat changed it, copies the new cell into the step's cell tensor in place;
-- runs the step and converts Hartree -> kJ/mol and Hartree/Å -> kJ/mol/nm.
+- runs the step (on a GPU, a CUDA graph captured at the first call:
+  :class:`~torchani_fast.step.GraphedSteps`) and converts Hartree -> kJ/mol
+  and Hartree/Å -> kJ/mol/nm, reading the results back in one copy.
 
 No tensor is built per call for the species, cell or pbc. The neighbour list
 has a fixed capacity (see :class:`~torchani_fast.EnergyForcesStep`); if a
@@ -196,6 +198,11 @@ class ANIComputation:
         Of the model (``torch.float32`` or ``torch.float64``).
     device : torch.device
         Of the model.
+    cuda_graphs : bool
+        On a GPU, capture the step in a CUDA graph at the first call and replay
+        it (default), periodic systems included (a barostat's new box is copied
+        into the captured cell); re-captured when the neighbour list needs more
+        room (:class:`~torchani_fast.step.GraphedSteps`). False: always eager.
 
     Notes
     -----
@@ -206,7 +213,7 @@ class ANIComputation:
 
     def __init__(self, name: str, atomic_numbers: tp.Sequence[int], periodic: bool,
                  model_index: tp.Optional[int] = None, dtype: torch.dtype = torch.float32,
-                 device: tp.Union[str, torch.device] = "cpu"):
+                 device: tp.Union[str, torch.device] = "cpu", cuda_graphs: bool = True):
         self.name = name
         self.atomic_numbers = [int(z) for z in atomic_numbers]
         self.periodic = bool(periodic)
@@ -214,35 +221,40 @@ class ANIComputation:
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
         self.model = load_model(name, model_index, self.dtype, self.device)
+        self.cuda_graphs = bool(cuda_graphs)
         self.calls = 0
-        self._step = None
+        from ...step import GraphedSteps
+
+        self._steps = GraphedSteps(self.model, cuda_graphs=self.cuda_graphs)
         self._reader = _StateReader(len(self.atomic_numbers))
 
     # -------------------------------------------------------------- pickling
     def __getstate__(self) -> dict:
         return {"name": self.name, "atomic_numbers": self.atomic_numbers, "periodic": self.periodic,
                 "model_index": self.model_index, "dtype": str(self.dtype).split(".")[-1],
-                "device": str(self.device)}
+                "device": str(self.device), "cuda_graphs": self.cuda_graphs}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["name"], state["atomic_numbers"], state["periodic"],
-                      state["model_index"], state["dtype"], state["device"])
+                      state["model_index"], state["dtype"], state["device"], state.get("cuda_graphs", True))
 
     # ------------------------------------------------------------ evaluation
-    def _build(self, pos_nm: np.ndarray) -> None:
-        from ...step import GrowingStep
+    @property
+    def _step(self):
+        """The current :class:`~torchani_fast.step.GrowingStep` (None before the first call)."""
+        return self._steps.step
 
+    def _inputs(self, pos_nm: np.ndarray):
+        """species, coords (Å), cell and pbc of a new step, built on this geometry."""
         species = torch.tensor([self.atomic_numbers], dtype=torch.long, device=self.device)
         self._cell = self._pbc = None
         if self.periodic:
             self._cell = torch.tensor(self._box * 10.0, dtype=self.dtype, device=self.device)
             self._pbc = torch.ones(3, dtype=torch.bool, device=self.device)
-        # A CUDA graph would replay the neighbour search as captured, for the box
-        # of the capture; a periodic box can change (barostat), so those steps
-        # run eagerly, reading the cell tensor at every call. (CPU: always eager.)
+        # The step reads the cell tensor at every call (a replayed graph too: the
+        # search reads the cell on the device), which _set_box changes in place.
         x = torch.from_numpy(pos_nm * 10.0).to(dtype=self.dtype, device=self.device).unsqueeze(0)
-        self._step = GrowingStep(self.model, species, x, self._cell, self._pbc,
-                                 cuda_graph=not self.periodic)
+        return species, x, self._cell, self._pbc
 
     @property
     def rebuilds(self) -> int:
@@ -273,10 +285,10 @@ class ANIComputation:
                 self._set_box(box)
             # Into the box, in float64: OpenMM's positions drift far from the origin.
             pos = pos - np.floor(pos @ self._inv_box) @ self._box
-        if self._step is None:
-            self._build(pos)  # sized and warmed up on this geometry
+        # Built (sized and warmed up, captured on a GPU) on the first geometry, else replayed.
+        self._steps.get(self.periodic, lambda: self._inputs(pos))
         # nm in, kJ/mol and kJ/mol/nm out (rebuilt with more room if the list overflowed)
-        energies, forces = self._step.host_call(pos, angstrom_per_unit=10.0,
+        energies, forces = self._steps.host_call(pos, angstrom_per_unit=10.0,
                                                 energy_per_hartree=HARTREE_TO_KJ_PER_MOL)
         self.calls += 1
         return float(energies[0]), forces[0]
@@ -286,7 +298,7 @@ def create_python_force(name: str, topology, atoms: tp.Optional[tp.Sequence[int]
                         periodic: tp.Optional[bool] = None, force_group: int = 0,
                         model_index: tp.Optional[int] = None,
                         dtype: tp.Union[str, torch.dtype, None] = None,
-                        device: tp.Union[str, torch.device, None] = None):
+                        device: tp.Union[str, torch.device, None] = None, cuda_graphs: bool = True):
     """An ``openmm.PythonForce`` computing a torchani_fast model on ``atoms`` of ``topology``.
 
     Parameters
@@ -304,6 +316,9 @@ def create_python_force(name: str, topology, atoms: tp.Optional[tp.Sequence[int]
     model_index, dtype, device
         As for :class:`ANIComputation` (dtype default float32; device default
         CUDA if available, else CPU).
+    cuda_graphs : bool
+        As for :class:`ANIComputation`: on a GPU, capture the step in a CUDA
+        graph (default); False runs it eagerly.
 
     Returns
     -------
@@ -317,7 +332,7 @@ def create_python_force(name: str, topology, atoms: tp.Optional[tp.Sequence[int]
     numbers = atomic_numbers_of(topology, atoms, model.atomic_numbers.tolist(), name)
     if periodic is None:
         periodic = topology.getPeriodicBoxVectors() is not None
-    compute = ANIComputation(name, numbers, periodic, model_index, dtype, device)
+    compute = ANIComputation(name, numbers, periodic, model_index, dtype, device, cuda_graphs)
     force = openmm.PythonForce(compute)
     force.setName(f"torchani_fast {name}")
     force.setForceGroup(int(force_group))

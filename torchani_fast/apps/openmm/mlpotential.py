@@ -52,9 +52,10 @@ class ANIFastPotentialImpl(MLPotentialImpl):
     def addForces(self, topology: openmm.app.Topology, system: openmm.System,
                   atoms: tp.Optional[tp.Iterable[int]], forceGroup: int,
                   modelIndex: tp.Optional[int] = None, dtype=None, device=None,
-                  implementation: str = "python", **args) -> None:
+                  implementation: str = "python", cudaGraphs: bool = True, **args) -> None:
         """Add one force computing the model on ``atoms`` (all atoms if None).
 
+        ``cudaGraphs=False`` keeps the ``"python"`` force eager on a GPU (no CUDA graph).
         Other keyword arguments (those of the embedding, e.g. ``mlLongRange``)
         are ignored, as openmm-ml's own potentials do.
         """
@@ -65,7 +66,7 @@ class ANIFastPotentialImpl(MLPotentialImpl):
         if implementation == "python":
             force = create_python_force(self.name, topology, atoms, periodic=periodic,
                                         force_group=forceGroup, model_index=modelIndex,
-                                        dtype=dtype, device=device)
+                                        dtype=dtype, device=device, cuda_graphs=cudaGraphs)
         else:
             from .torchforce import create_torch_force
 

@@ -80,14 +80,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--max-atoms", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float64", choices=["float32", "float64"],
+                        help="the models' dtype, every path (default float64, the command line's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     confs, ch4 = structures(args.n)
     everything = confs + ch4
-    stock = torchani.models.ANI2x().double()
-    model = torchani_fast.patch(torchani.models.ANI2x().double())
-    print(f"{args.n} 2iuz conformers + {args.n} CH4-5 frames, fmax {args.fmax} eV/Å, ANI-2x float64, "
+    dtype = getattr(torch, args.dtype)
+    stock = torchani.models.ANI2x().to(dtype)
+    model = torchani_fast.patch(torchani.models.ANI2x().to(dtype))
+    print(f"{args.n} 2iuz conformers + {args.n} CH4-5 frames, fmax {args.fmax} eV/Å, ANI-2x {args.dtype}, "
           f"{torch.get_num_threads()} threads")
 
     rows = []

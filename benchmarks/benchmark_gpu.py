@@ -22,6 +22,14 @@ Paths, each one energy + forces (autograd) per step, float32:
 - ``fast-step+graph``: that step captured once in a CUDA graph and replayed
   (the default of ``EnergyForcesStep`` on CUDA), without and with the per-step
   pair-count check (one sync).
+- ``ase``: ``get_forces`` of torchani_fast's ASE calculator (which replays a
+  CUDA graph of its system's step) against TorchANI's own calculator, the
+  positions moved between calls as in MD (so nothing is cached).
+- ``old kernels``: the model API and the graph step again with the kernels
+  that the new ones replace (TORCHANI_FAST_CUDA_NEIGHBORS=old,
+  TORCHANI_FAST_CUDA_AEV=old, TORCHANI_FAST_CUDA_NETWORKS=aten; the switches
+  are read at every call), in the same process: the A/B that decides which
+  kernels stay.
 
 Usage: python benchmarks/benchmark_gpu.py --out DIR [--sizes 46,1000,10000,100000]
 Writes DIR/benchmark_gpu.json and DIR/benchmark_gpu.md.
@@ -111,6 +119,44 @@ def capture(step, x):
     with torch.cuda.graph(graph):
         out = step(static_x)
     return graph, static_x, out
+
+
+OLD_KERNELS = {"TORCHANI_FAST_CUDA_NEIGHBORS": "old", "TORCHANI_FAST_CUDA_AEV": "old",
+               "TORCHANI_FAST_CUDA_NETWORKS": "aten"}
+
+
+class old_kernels:
+    """The kernels the new ones replace, for the duration of a ``with`` block."""
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in OLD_KERNELS}
+        os.environ.update(OLD_KERNELS)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def ase_forces_ms(calc, z, x, cell, pbc, budget_s):
+    """ms per ``get_forces`` of an ASE calculator, positions moved between calls."""
+    import ase
+
+    atoms = ase.Atoms(numbers=z[0].cpu().numpy(), positions=x[0].detach().cpu().double().numpy())
+    if cell is not None:
+        atoms.cell = cell.cpu().double().numpy()
+        atoms.pbc = pbc.cpu().numpy()
+    atoms.calc = calc
+    shift = [1e-4]
+
+    def call():
+        atoms.positions[0, 0] += shift[0]
+        shift[0] = -shift[0]
+        return atoms.get_forces()
+
+    return time_step(call, budget_s)[0]
 
 
 def short(exc):
@@ -216,6 +262,33 @@ def run(sizes, out_dir, budget_s):
         except Exception as exc:
             row["fast_step"] = "failed: " + short(exc)
             traceback.print_exc()
+        # ASE: torchani_fast's calculator against TorchANI's own (the same weights)
+        try:
+            row["fast_ase_ms"] = ase_forces_ms(fast.ase(), z_d, x_d, cell_d, pbc_d, budget_s)
+            ref = ani2x_random(strategy, nl_name).to(DEVICE, DTYPE)
+            row["torchani_ase_ms"] = ase_forces_ms(ref.ase(), z_d, x_d, cell_d, pbc_d, budget_s)
+            del ref
+            print(f"ASE get_forces: torchani_fast {row['fast_ase_ms']:.3f} ms, TorchANI "
+                  f"{row['torchani_ase_ms']:.3f} ms", flush=True)
+        except Exception as exc:
+            row["ase"] = "failed: " + short(exc)
+            traceback.print_exc()
+
+        # The kernels the new ones replace, in this process (A/B)
+        try:
+            with old_kernels():
+                e_o, f_o = energy_forces(fast, z_d, x_d, cell_d, pbc_d)
+                row["old_max_dF_vs_new"] = (f_o - f_fast).abs().max().item()
+                row["old_fast_ms"], _ = time_step(lambda: energy_forces(fast, z_d, x_d, cell_d, pbc_d), budget_s)
+                old_step = EnergyForcesStep(fast, z_d, x_d, cell_d, pbc_d, check_every=0)
+                old_step(x_d)
+                row["old_graph_ms"], _ = time_step(lambda: old_step(x_d), budget_s, max_reps=2000)
+                del old_step
+            print(f"old kernels: model API {row['old_fast_ms']:.3f} ms, graph step "
+                  f"{row['old_graph_ms']:.3f} ms", flush=True)
+        except Exception as exc:
+            row["old_kernels"] = "failed: " + short(exc)
+            traceback.print_exc()
         best_fast = min(v for k, v in row.items() if k in ("fast_ms", "fast_step_ms", "fast_graph_ms"))
         best_ref = min([v for k, v in row.items() if k in ("torchani_ms", "torchani_graph_ms")] or [math.nan])
         row["speedup_best"] = best_ref / best_fast
@@ -242,8 +315,9 @@ def markdown(result):
         f"{m['dtype']}, ANI-2x architecture with random weights, energy + forces per step.",
         "",
         "| atoms | system | TorchANI ms | TorchANI graph | fast ms (model API) | fast step ms "
-        "| fast step graph ms | graph + check ms | best speed-up | atom-steps/s | max dE / dF vs TorchANI |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fast step graph ms | graph + check ms | best speed-up | atom-steps/s | max dE / dF vs TorchANI "
+        "| ASE TorchANI / fast ms | old kernels: model API / graph ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(row, key, alt=None):
@@ -259,7 +333,9 @@ def markdown(result):
             f"{fmt(r, 'fast_graph_checked_ms')} | "
             f"{r['speedup_best']:.2f}x | {r['fast_atom_steps_per_s']:.3g} | "
             f"{r.get('max_dE_vs_torchani', float('nan')):.2e} / "
-            f"{r.get('max_dF_vs_torchani', float('nan')):.2e} |"
+            f"{r.get('max_dF_vs_torchani', float('nan')):.2e} | "
+            f"{fmt(r, 'torchani_ase_ms', 'ase')} / {fmt(r, 'fast_ase_ms')} | "
+            f"{fmt(r, 'old_fast_ms', 'old_kernels')} / {fmt(r, 'old_graph_ms')} |"
         )
     return "\n".join(lines) + "\n"
 

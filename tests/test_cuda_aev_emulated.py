@@ -207,11 +207,11 @@ def test_warp_aev_invalid_values(emu):
 
 
 def test_warp_aev_too_many_neighbours(emu):
-    """A 4-atom molecule in a 2.4 A periodic cube: hundreds of images within the cutoff."""
+    """A 4-atom molecule in a 1.8 A periodic cube: hundreds of images within the cutoff."""
     species = torch.tensor([[0, 1, 0, 3]])
-    coords = torch.tensor([[[0.1, 0.2, 0.3], [1.0, 0.9, 1.2], [1.9, 0.4, 0.5], [0.6, 1.7, 2.0]]],
+    coords = torch.tensor([[[0.1, 0.2, 0.3], [0.8, 0.7, 0.9], [1.4, 0.3, 0.4], [0.5, 1.3, 1.5]]],
                           dtype=torch.float64)
-    cell = torch.eye(3, dtype=torch.float64) * 2.4
+    cell = torch.eye(3, dtype=torch.float64) * 1.8
     species, pairs, diff, args = case(species, coords, cell, torch.tensor([True] * 3), torch.float64)
     counts = torch.bincount(pairs.flatten(), minlength=4)
     assert counts.min() > MAX_SLOTS

@@ -1,4 +1,6 @@
-// CUDA AEV from a half neighbour list: forward and backward.
+// CUDA AEV from a half neighbour list: forward and backward. The entry points
+// run the warp-cooperative kernels of aev/cuda/aev_warp.cuh (the default) or,
+// with TORCHANI_FAST_CUDA_AEV=old, the kernels below.
 //
 // Same half-edge scheme as the CPU kernels (aev/aev_cpu.cpp): each kept pair
 // becomes two half edges, one owned by each atom, grouped per atom in CSR form.

@@ -148,9 +148,12 @@ def test_aev_cuda_matches_cpu(name, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("kernels", ["warp", "old"])
 @pytest.mark.parametrize("n_molecules", [30, 100, 400, 1400])
-def test_aev_cuda_all_launch_shapes(n_molecules):
-    """90 to 4200 atoms: every warps-per-atom setting (8, 4, 2, 1) against the CPU."""
+def test_aev_cuda_all_launch_shapes(n_molecules, kernels, monkeypatch):
+    """90 to 4200 atoms against the CPU: the warp kernels, and every warps-per-atom
+    setting (8, 4, 2, 1) of the old ones."""
+    monkeypatch.setenv("TORCHANI_FAST_CUDA_AEV", kernels)
     model = random_model()
     z, x, cell, pbc = water_box(n_molecules, seed=n_molecules)
     species = elem_idxs(z)

@@ -112,7 +112,7 @@ def test_cases_need_several_rounds():
     assert (n_ang * (n_ang - 1) // 2).max() > 2 * WARP
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_warp_aev_matches_cpu(emu, name, dtype):
     """Forward and backward against the CPU ops; the same bits on a second run; the old
@@ -136,7 +136,7 @@ def test_warp_aev_matches_cpu(emu, name, dtype):
 SMOOTH = [[ops.CUTOFF_SMOOTH, 2, 1e-10], [ops.CUTOFF_SMOOTH, 3, 1e-3]]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 def test_warp_aev_smooth_cutoff(emu, dtype):
     species, pairs, diff, args = CASES["tiny_cell"](dtype)
     for extra in SMOOTH:

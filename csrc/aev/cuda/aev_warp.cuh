@@ -132,10 +132,10 @@ SlotEdges build_slots(const Params<scalar_t>& k, const at::Tensor& sp, const at:
 // atom's sorted half edges and a scratch row per lane.
 
 // Scratch scalars per lane: radial terms (R), angular terms and f1 per section
-// (AZ + Z), or f1, df1 per section and two half-edge gradients (2Z + 6).
+// (AZ + Z), or f1, df1 per section and two half-edge gradients (2Z + 6). Odd, so
+// that the lanes' rows start in different banks.
 inline int64_t scratch_width(int64_t R, int64_t AZ, int64_t Z) {
-  int64_t w = R > AZ + Z ? R : AZ + Z;
-  return w > 2 * Z + 6 ? w : 2 * Z + 6;
+  return std::max({R, AZ + Z, 2 * Z + 6}) | 1;
 }
 
 template <typename scalar_t>

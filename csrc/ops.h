@@ -176,7 +176,8 @@ at::Tensor aev_forward_cuda(const at::Tensor& species, const at::Tensor& pairs,
 at::Tensor aev_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& species,
                              const at::Tensor& pairs, const at::Tensor& diff_vectors,
                              const AEVParams& p);
-// (The CUDA kernels keep no half edges: an empty handle, which the backward ignores.)
+// (The CUDA handle owns the warp kernels' per-atom slots, aev/cuda/aev_warp.cuh; the old
+// kernels, TORCHANI_FAST_CUDA_AEV=old, keep nothing: an empty handle.)
 std::tuple<at::Tensor, at::Tensor> aev_with_edges_cuda(const at::Tensor& species,
                                                        const at::Tensor& pairs,
                                                        const at::Tensor& diff_vectors,

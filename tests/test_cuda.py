@@ -148,9 +148,12 @@ def test_aev_cuda_matches_cpu(name, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("kernels", ["warp", "old"])
 @pytest.mark.parametrize("n_molecules", [30, 100, 400, 1400])
-def test_aev_cuda_all_launch_shapes(n_molecules):
-    """90 to 4200 atoms: every warps-per-atom setting (8, 4, 2, 1) against the CPU."""
+def test_aev_cuda_all_launch_shapes(n_molecules, kernels, monkeypatch):
+    """90 to 4200 atoms against the CPU: the warp kernels, and every warps-per-atom
+    setting (8, 4, 2, 1) of the old ones."""
+    monkeypatch.setenv("TORCHANI_FAST_CUDA_AEV", kernels)
     model = random_model()
     z, x, cell, pbc = water_box(n_molecules, seed=n_molecules)
     species = elem_idxs(z)
@@ -196,6 +199,58 @@ def test_aev_cuda_deterministic():
     for _ in range(3):
         again = ops.aev(species, pairs, diff, *args), ops.aev_backward(g, species, pairs, diff, *args)
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["molecule46", "padded_batch", "water192", "tiny_cell"])
+def test_aev_cuda_warp_and_old_kernels(monkeypatch, name, dtype):
+    """TORCHANI_FAST_CUDA_AEV=warp (the default) and old in one process: both against the
+    CPU; the warp kernels the same bits on every run, and aev_backward_edges with the
+    forward's handle the same bits as aev_backward."""
+    species, pairs, diff, args = _aev_inputs(name, dtype, "cuda", extra_invalid=True)
+    cpu_args = [t.cpu() if isinstance(t, torch.Tensor) else t for t in args]
+    a_cpu = ops.aev(species.cpu(), pairs.cpu(), diff.cpu(), *cpu_args)
+    g = torch.randn(a_cpu.shape, dtype=dtype, generator=torch.Generator().manual_seed(5))
+    gd_cpu = ops.aev_backward(g, species.cpu(), pairs.cpu(), diff.cpu(), *cpu_args)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    results = {}
+    for which in ("old", "warp"):
+        monkeypatch.setenv("TORCHANI_FAST_CUDA_AEV", which)
+        a, edges = torch.ops.torchani_fast.aev_with_edges(species, pairs, diff, *args)
+        gk = torch.ops.torchani_fast.aev_backward_edges(g.cuda(), edges, species, pairs, diff, *args)
+        gd = ops.aev_backward(g.cuda(), species, pairs, diff, *args)
+        torch.testing.assert_close(a.cpu(), a_cpu, **_tol(dtype))
+        torch.testing.assert_close(gd.cpu(), gd_cpu, rtol=tol, atol=tol * gd_cpu.abs().max().item())
+        assert torch.equal(gk, gd)
+        for _ in range(3):
+            assert torch.equal(ops.aev(species, pairs, diff, *args), a)
+            assert torch.equal(ops.aev_backward(g.cuda(), species, pairs, diff, *args), gd)
+        results[which] = a, gd
+    torch.testing.assert_close(results["warp"][0], results["old"][0], **_tol(dtype))
+    monkeypatch.setenv("TORCHANI_FAST_CUDA_AEV", "fast")
+    with pytest.raises(RuntimeError, match="TORCHANI_FAST_CUDA_AEV must be 'warp'"):
+        ops.aev(species, pairs, diff, *args)
+
+
+@requires_cuda
+def test_aev_cuda_warp_too_many_neighbours(monkeypatch):
+    """More than 256 half edges on an atom: NaN (the warp kernels' fixed capacity); the
+    old kernels have no such limit."""
+    species = torch.tensor([[0, 1, 0, 3]])
+    x = torch.tensor([[[0.1, 0.2, 0.3], [0.8, 0.7, 0.9], [1.4, 0.3, 0.4], [0.5, 1.3, 1.5]]],
+                     dtype=torch.float64)
+    cell, pbc = torch.eye(3, dtype=torch.float64) * 1.8, torch.tensor([True] * 3)
+    pairs, images = ops.neighbor_pairs(species, x, cell, pbc, CUTOFF, True)
+    assert torch.bincount(pairs.flatten()).min() > 256
+    diff = diff_vectors(x, cell, pairs, images)
+    args = aev_args(random_model().aev_computer, torch.float64, "cuda")
+    out = ops.aev(species.cuda(), pairs.cuda(), diff.cuda(), *args)
+    assert bool(out.isnan().all())
+    monkeypatch.setenv("TORCHANI_FAST_CUDA_AEV", "old")
+    ref = ops.aev(species, pairs, diff, *aev_args(random_model().aev_computer, torch.float64, "cpu"))
+    torch.testing.assert_close(ops.aev(species.cuda(), pairs.cuda(), diff.cuda(), *args).cpu(), ref,
+                               **_tol(torch.float64))
 
 
 @requires_cuda

@@ -1,4 +1,6 @@
-// CUDA AEV from a half neighbour list: forward and backward.
+// CUDA AEV from a half neighbour list: forward and backward. The entry points
+// run the warp-cooperative kernels of aev/cuda/aev_warp.cuh (the default) or,
+// with TORCHANI_FAST_CUDA_AEV=old, the kernels below.
 //
 // Same half-edge scheme as the CPU kernels (aev/aev_cpu.cpp): each kept pair
 // becomes two half edges, one owned by each atom, grouped per atom in CSR form.
@@ -354,12 +356,23 @@ __global__ void gather_kernel(int64_t P, int64_t E, int G, const uint8_t* __rest
 }
 
 }  // namespace
+}  // namespace torchani_fast
+
+// The warp-cooperative kernels (the default), after the helpers above they share.
+#include "aev/cuda/aev_warp.cuh"
+
+namespace torchani_fast {
+namespace {
 
 // ---------------------------------------------------------------------------
 // Entry points
 
-at::Tensor aev_forward_cuda(const at::Tensor& species, const at::Tensor& pairs,
-                            const at::Tensor& diff_vectors, const AEVParams& p) {
+// The forward, with the handle of its slots when `keep` (warp kernels only;
+// the old kernels keep nothing: an empty handle, which the backward ignores).
+std::tuple<at::Tensor, at::Tensor> aev_forward_impl(const at::Tensor& species,
+                                                    const at::Tensor& pairs,
+                                                    const at::Tensor& diff_vectors,
+                                                    const AEVParams& p, bool keep) {
   const char* op = "torchani_fast::aev";
   check_aev_inputs(op, species, pairs, diff_vectors, p);
   check_devices(op, species, pairs, diff_vectors, p);
@@ -370,27 +383,50 @@ at::Tensor aev_forward_cuda(const at::Tensor& species, const at::Tensor& pairs,
   std::vector<int64_t> out_shape(species.sizes().begin(), species.sizes().end());
   out_shape.push_back(aev_length(p));
   auto aev = at::empty(out_shape, diff.options());
+  at::Tensor handle;
   const int64_t N = sp.numel();
-  if (N == 0) return aev;
-  AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_forward_cuda", [&] {
-    ParamTensors<scalar_t> pt(p, diff.scalar_type());
-    const auto& k = pt.p;
-    Edges h = build_edges(k, sp, pr, diff);
-    const Geometry geo = make_geometry(k, N, /*forward=*/true);
-    reserve_smem(op, forward_kernel<scalar_t>, geo.smem, k.F);
-    forward_kernel<scalar_t><<<static_cast<unsigned int>(geo.blocks), geo.threads, geo.smem,
-                               at::cuda::getCurrentCUDAStream()>>>(
-        k, N, geo.G, sp.data_ptr<int64_t>(), h.start.data_ptr<int64_t>(),
-        h.ang_count.data_ptr<int64_t>(), h.data.data_ptr<scalar_t>(),
-        h.nspec.data_ptr<int32_t>(), h.err.data_ptr<int64_t>(), aev.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return aev;
+  if (N > 0) {
+    AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_forward_cuda", [&] {
+      ParamTensors<scalar_t> pt(p, diff.scalar_type());
+      const auto& k = pt.p;
+      if (use_warp_kernels(pr.size(1))) {
+        SlotEdges h = build_slots(k, sp, pr, diff);
+        warp_forward(op, k, sp, pr, diff, h, aev);
+        if (keep) handle = slots_handle(species, pairs, diff_vectors, p, std::move(h));
+        return;
+      }
+      Edges h = build_edges(k, sp, pr, diff);
+      const Geometry geo = make_geometry(k, N, /*forward=*/true);
+      reserve_smem(op, forward_kernel<scalar_t>, geo.smem, k.F);
+      forward_kernel<scalar_t><<<static_cast<unsigned int>(geo.blocks), geo.threads, geo.smem,
+                                 at::cuda::getCurrentCUDAStream()>>>(
+          k, N, geo.G, sp.data_ptr<int64_t>(), h.start.data_ptr<int64_t>(),
+          h.ang_count.data_ptr<int64_t>(), h.data.data_ptr<scalar_t>(),
+          h.nspec.data_ptr<int32_t>(), h.err.data_ptr<int64_t>(), aev.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  if (!handle.defined()) handle = at::empty({0}, diff_vectors.options().dtype(at::kByte));
+  return {aev, handle};
 }
 
-at::Tensor aev_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& species,
-                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
-                             const AEVParams& p) {
+}  // namespace
+
+at::Tensor aev_forward_cuda(const at::Tensor& species, const at::Tensor& pairs,
+                            const at::Tensor& diff_vectors, const AEVParams& p) {
+  return std::get<0>(aev_forward_impl(species, pairs, diff_vectors, p, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> aev_with_edges_cuda(const at::Tensor& species,
+                                                       const at::Tensor& pairs,
+                                                       const at::Tensor& diff_vectors,
+                                                       const AEVParams& p) {
+  return aev_forward_impl(species, pairs, diff_vectors, p, true);
+}
+
+at::Tensor aev_backward_edges_cuda(const at::Tensor& grad_aev, const at::Tensor& edges,
+                                   const at::Tensor& species, const at::Tensor& pairs,
+                                   const at::Tensor& diff_vectors, const AEVParams& p) {
   const char* op = "torchani_fast::aev_backward";
   check_aev_inputs(op, species, pairs, diff_vectors, p);
   check_devices(op, species, pairs, diff_vectors, p);
@@ -410,6 +446,13 @@ at::Tensor aev_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& speci
   AT_DISPATCH_FLOATING_TYPES(diff.scalar_type(), "aev_backward_cuda", [&] {
     ParamTensors<scalar_t> pt(p, diff.scalar_type());
     const auto& k = pt.p;
+    if (use_warp_kernels(P)) {
+      const SlotEdges* kept = kept_slots(edges, species, pairs, diff_vectors, p);
+      SlotEdges built;
+      if (!kept) built = build_slots(k, sp, pr, diff);
+      warp_backward(op, k, sp, pr, diff, kept ? *kept : built, g, grad_diff);
+      return;
+    }
     Edges h = build_edges(k, sp, pr, diff);
     const Geometry geo = make_geometry(k, N, /*forward=*/false);
     auto grad_edge = at::zeros({geo.G, h.E, 3}, diff.options());
@@ -430,18 +473,10 @@ at::Tensor aev_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& speci
   return grad_diff;
 }
 
-std::tuple<at::Tensor, at::Tensor> aev_with_edges_cuda(const at::Tensor& species,
-                                                       const at::Tensor& pairs,
-                                                       const at::Tensor& diff_vectors,
-                                                       const AEVParams& p) {
-  return {aev_forward_cuda(species, pairs, diff_vectors, p),
-          at::empty({0}, diff_vectors.options().dtype(at::kByte))};
-}
-
-at::Tensor aev_backward_edges_cuda(const at::Tensor& grad_aev, const at::Tensor& /*edges*/,
-                                   const at::Tensor& species, const at::Tensor& pairs,
-                                   const at::Tensor& diff_vectors, const AEVParams& p) {
-  return aev_backward_cuda(grad_aev, species, pairs, diff_vectors, p);
+at::Tensor aev_backward_cuda(const at::Tensor& grad_aev, const at::Tensor& species,
+                             const at::Tensor& pairs, const at::Tensor& diff_vectors,
+                             const AEVParams& p) {
+  return aev_backward_edges_cuda(grad_aev, at::Tensor(), species, pairs, diff_vectors, p);
 }
 
 }  // namespace torchani_fast

@@ -1,5 +1,5 @@
-// The two-launch CUDA neighbour search (neighbors/neighbor_rows_cuda.cu) and
-// the switch between it and the six-launch one (neighbors/neighbors_cuda.cu):
+// The three-launch CUDA neighbour search (neighbors/neighbor_rows_cuda.cu) and
+// the switch between it and the older one (neighbors/neighbors_cuda.cu):
 // TORCHANI_FAST_CUDA_NEIGHBORS=old|new, read once (unset: new; anything else
 // raises). Same signatures and outputs as neighbor_pairs(_padded)_cuda.
 #pragma once

@@ -1,29 +1,34 @@
-// CUDA neighbour search in two launches, with no global sort and no memset
+// CUDA neighbour search in three launches, with no global sort and no memset
 // (the default; TORCHANI_FAST_CUDA_NEIGHBORS=old selects neighbors_cuda.cu's
-// six-launch search). Same grid, ownership rule and output as the CPU search.
+// search, four kernels and three ATen launches). Same grid, ownership rule and
+// output as the CPU search.
 //
-//   search_kernel  one block per molecule, everything the molecule needs:
-//                  cell inverse, wrapped positions, extents and grid (as in
-//                  neighbors_cuda.cu), the bin histogram (zeroed by the block
-//                  itself), its scan, the atoms scattered into the bins and
-//                  each bin sorted by atom index (ordered bins), then one warp
-//                  per atom walks the neighbouring bins 32 candidates at a
-//                  time: __ballot_sync/__popc give each accepted partner its
-//                  slot in the atom's row of kRow slots. A row sorted by
-//                  (j, image) stays in the workspace; an atom with more than
-//                  kRow partners keeps counting, and its count > kRow is the
-//                  row's overflow flag. Per molecule: the pair total and the
-//                  error word (written, never accumulated: nothing to zero).
-//   write_kernel   one block per molecule: the molecule's first slot (the
-//                  totals of the molecules before it), a scan of its atoms'
-//                  counts, then each atom copies its row to the output; an
-//                  overflowed row walks its bins again (writes, then sorts;
-//                  the one row cut by the capacity selects its smallest
-//                  pairs). Unused slots get (-1, -1) and a zero image; block 0
-//                  writes num_pairs (or the error code).
+//   search_kernel  one block per molecule: cell inverse, wrapped positions,
+//                  extents and grid (as in neighbors_cuda.cu), the bin
+//                  histogram (zeroed by the block itself), its scan, the atoms
+//                  scattered into the bins and each bin sorted by atom index
+//                  (ordered bins). Per molecule it writes an error word and
+//                  zeroes the pair total (written, never accumulated across
+//                  launches: nothing to memset).
+//   walk_kernel    one warp per atom of the batch walks the neighbouring bins
+//                  32 candidates at a time: __ballot_sync/__popc give each
+//                  accepted partner its slot in the atom's row of kRow slots,
+//                  sorted then by (j, image). An atom with more than kRow
+//                  partners keeps counting: count > kRow is the row's overflow
+//                  flag. The molecule's total is an integer atomic sum.
+//   write_kernel   one block per molecule: its first slot (the totals of the
+//                  molecules before it), a scan of its atoms' counts, then each
+//                  atom copies its row to the output; an overflowed row walks
+//                  its bins again, serially (writes, then sorts; the one row
+//                  cut by the capacity selects its smallest pairs). Unused
+//                  slots get (-1, -1) and a zero image; block 0 writes
+//                  num_pairs (or the error code).
 //
 // The output is the old search's, bit for bit: pairs grouped by their first
 // atom in ascending order, each atom's partners in (j, image) order.
+// Scaling: search_kernel and write_kernel are one block per molecule, so one
+// very large molecule (1e5 atoms) binds them to one SM; the walk, the bulk of
+// the work, spreads over the device.
 #include "common/cuda_common.cuh"
 #include "neighbors/cell_bins.h"
 #include "neighbors/neighbor_rows.h"
@@ -43,11 +48,11 @@ using cuda::imin;
 using neighbors::Axis;
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / cuda::kWarp;
-// Slots of an atom's row: ANI's 5.2 A cutoff gives ~30 owned partners in a
-// liquid; the first atoms of a molecule own all theirs (~60) and overflow,
-// which costs a second walk for them only.
-constexpr int kRow = 32;
+constexpr int kWalkThreads = 128;
+// Slots of an atom's row (16 bytes each): ANI's 5.2 A cutoff gives ~60
+// partners in a liquid, and an atom owns at most all of them; a row that
+// overflows costs a second, serial walk in write_kernel.
+constexpr int kRow = 64;
 // Error bits, as in neighbors_cuda.cu.
 constexpr int64_t kErrNonFinite = 1;
 constexpr int64_t kErrSingular = 2;
@@ -152,8 +157,8 @@ __global__ void search_kernel(const int64_t* __restrict__ species, const scalar_
                   double* __restrict__ wrapped, int64_t* __restrict__ shift,
                   int64_t* __restrict__ bin_of, int64_t* __restrict__ bin_start,
                   int64_t* __restrict__ bin_fill, int64_t* __restrict__ bin_atoms,
-                  Grid* __restrict__ grids, Entry* __restrict__ rows,
-                  int64_t* __restrict__ row_count, int64_t* __restrict__ mol) {
+                  Grid* __restrict__ grids, int64_t* __restrict__ row_count,
+                  int64_t* __restrict__ mol) {
   __shared__ double C[9], inv[9], span[3];
   __shared__ int periodic[3];
   __shared__ double red_lo[3][kThreads], red_hi[3][kThreads];
@@ -252,15 +257,13 @@ __global__ void search_kernel(const int64_t* __restrict__ species, const scalar_
       }
     }
     grids[m] = grid;
+    mol[kMolWords * m] = 0;  // (the walk adds the pairs)
     mol[kMolWords * m + 1] = flags;
     mol[kMolWords * m + 2] = red_bad[0];
     mol[kMolWords * m + 3] = det_bits;
   }
   __syncthreads();
-  if (flags != 0) {  // (block-uniform) the write kernel writes no pair at all
-    if (t == 0) mol[kMolWords * m] = 0;
-    return;
-  }
+  if (flags != 0) return;  // (block-uniform) the write kernel writes no pair at all
 
   // Ordered bins: histogram, scan, scatter, then each bin sorted by atom.
   for (int64_t i = first_atom + t; i < first_atom + A; i += kThreads) {
@@ -279,7 +282,8 @@ __global__ void search_kernel(const int64_t* __restrict__ species, const scalar_
   __syncthreads();
   for (int64_t b = t; b < B; b += kThreads) my_start[b] = my_fill[b];
   __syncthreads();
-  my_start[B] = block_exclusive_scan(my_start, B, red_count);
+  const int64_t binned = block_exclusive_scan(my_start, B, red_count);
+  if (t == 0) my_start[B] = binned;
   for (int64_t b = t; b < B; b += kThreads) my_fill[b] = 0;
   __syncthreads();
   for (int64_t i = first_atom + t; i < first_atom + A; i += kThreads) {
@@ -297,16 +301,27 @@ __global__ void search_kernel(const int64_t* __restrict__ species, const scalar_
     }
   }
   __syncthreads();
+}
 
-  // One warp per atom: 32 candidates per step, compacted with a ballot.
-  const int lane = t % cuda::kWarp, warp = t / cuda::kWarp;
+// One warp per atom of the batch: 32 candidates per step, compacted with a ballot.
+__global__ void walk_kernel(int64_t N, int64_t A, int64_t bins_per_mol,
+                            const int64_t* __restrict__ bin_of, const Grid* __restrict__ grids,
+                            const int64_t* __restrict__ bin_start,
+                            const int64_t* __restrict__ bin_atoms,
+                            const double* __restrict__ wrapped, double cutoff_sq,
+                            Entry* __restrict__ rows, int64_t* __restrict__ row_count,
+                            int64_t* __restrict__ mol) {
+  const int lane = threadIdx.x % cuda::kWarp;
   const unsigned below = (1u << lane) - 1u;
-  const double cutoff_sq = cutoff * cutoff;
-  int64_t warp_total = 0;
-  for (int64_t il = warp; il < A; il += kWarps) {
-    const int64_t i = first_atom + il;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / cuda::kWarp);
+  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / cuda::kWarp; i < N;
+       i += warps) {
     const int64_t gb = bin_of[i];
     if (gb < 0) continue;  // (warp-uniform)
+    const int64_t m = i / A, first_atom = m * A;
+    const Grid& grid = grids[m];
+    const int64_t* my_start = bin_start + m * (bins_per_mol + 1);
+    const int64_t* my_atoms = bin_atoms + first_atom;
     int64_t own[3];
     neighbors::split_bin(gb, grid.axis, own);
     const double xi[3] = {wrapped[3 * i], wrapped[3 * i + 1], wrapped[3 * i + 2]};
@@ -351,7 +366,7 @@ __global__ void search_kernel(const int64_t* __restrict__ species, const scalar_
     __syncwarp();
     if (lane == 0) {
       row_count[i] = n;
-      warp_total += n;
+      atomic_add_i64(mol + kMolWords * m, n);  // (integers: the same sum in any order)
       // Insertion sort of the row: canonical whatever the bins' visiting order.
       const int64_t kept = imin(n, kRow);
       for (int64_t s = 1; s < kept; ++s) {
@@ -362,13 +377,6 @@ __global__ void search_kernel(const int64_t* __restrict__ species, const scalar_
       }
     }
     __syncwarp();
-  }
-  if (lane == 0) red_bad[warp] = warp_total;
-  __syncthreads();
-  if (t == 0) {
-    int64_t total = 0;
-    for (int w = 0; w < kWarps; ++w) total += red_bad[w];
-    mol[kMolWords * m] = total;
   }
 }
 
@@ -557,11 +565,18 @@ RowSearch row_search(const char* op, const at::Tensor& species, const at::Tensor
           s.frac.data_ptr<double>(), s.wrapped.data_ptr<double>(), s.shift.data_ptr<int64_t>(),
           s.bin_of.data_ptr<int64_t>(), s.bin_start.data_ptr<int64_t>(),
           s.bin_fill.data_ptr<int64_t>(), s.bin_atoms.data_ptr<int64_t>(),
-          reinterpret_cast<Grid*>(s.grids.data_ptr<uint8_t>()),
-          reinterpret_cast<Entry*>(s.rows.data_ptr<uint8_t>()), s.row_count.data_ptr<int64_t>(),
+          reinterpret_cast<Grid*>(s.grids.data_ptr<uint8_t>()), s.row_count.data_ptr<int64_t>(),
           s.mol.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
+    walk_kernel<<<cuda::grid_for(N * cuda::kWarp, kWalkThreads), kWalkThreads, 0, stream>>>(
+        N, s.A, s.B, s.bin_of.data_ptr<int64_t>(),
+        reinterpret_cast<const Grid*>(s.grids.data_ptr<uint8_t>()),
+        s.bin_start.data_ptr<int64_t>(), s.bin_atoms.data_ptr<int64_t>(),
+        s.wrapped.data_ptr<double>(), s.cutoff_sq,
+        reinterpret_cast<Entry*>(s.rows.data_ptr<uint8_t>()), s.row_count.data_ptr<int64_t>(),
+        s.mol.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return s;
 }

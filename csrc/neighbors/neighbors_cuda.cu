@@ -1,6 +1,7 @@
 // CUDA neighbour search: the CPU algorithm (neighbors/neighbors_cpu.cpp) on the device.
-// The six-launch search, kept for A/B runs behind TORCHANI_FAST_CUDA_NEIGHBORS=old;
-// the default is the two-launch one of neighbors/neighbor_rows_cuda.cu.
+// The older search (4 kernels + 3 ATen launches), kept for A/B runs behind
+// TORCHANI_FAST_CUDA_NEIGHBORS=old; the default is the three-launch one of
+// neighbors/neighbor_rows_cuda.cu.
 //
 // Same grid as on the CPU, built without the host: every quantity that decides
 // a size is bounded by input shapes, so nothing is read back in the default

@@ -22,6 +22,18 @@ if _CUDA_NEIGHBORS not in ("new", "old"):
                      + repr(_CUDA_NEIGHBORS))
 _PAIR_VECTORS_OP = _CUDA_NEIGHBORS == "new"
 
+
+@torch.jit.unused
+def _switched_op(t: Tensor) -> bool:
+    return _PAIR_VECTORS_OP and t.device.type in ("cuda", "cpu")
+
+
+def _pair_vectors_op(t: Tensor) -> bool:
+    """Whether pair_vectors on ``t``'s device is the op (scripted code: always on CPU and CUDA)."""
+    if torch.jit.is_scripting():
+        return t.device.type == "cuda" or t.device.type == "cpu"
+    return _switched_op(t)
+
 __all__ = [
     "neighbor_pairs", "neighbor_pairs_padded", "check_num_pairs", "pair_vectors", "aev", "aev_backward",
     "aev_jvp", "aev_double_backward", "aev_local_derivatives",
@@ -164,7 +176,7 @@ def pair_vectors(
     distances : Tensor, shape (P,)
         Their lengths.
     """
-    if host_path(coords) or (_PAIR_VECTORS_OP and coords.device.type in ("cuda", "cpu")):
+    if host_path(coords) or _pair_vectors_op(coords):
         return torch.ops.torchani_fast.pair_vectors(coords, pairs, images, cell)
     diff = coords.index_select(0, pairs[0]) - coords.index_select(0, pairs[1])
     if cell is not None and images is not None:

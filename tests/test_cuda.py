@@ -315,6 +315,10 @@ def test_pair_vectors_cuda_matches_cpu(name, dtype):
     for _ in range(3):
         out = torch.ops.torchani_fast.pair_vectors_backward(grad.cuda(), pairs.cuda(), x.shape[0])
         assert torch.equal(out.cpu(), want)
+    gpu = (x.cuda(), pairs.cuda(), None if img is None else img.cuda(), None if cell is None else cell.cuda())
+    torch.library.opcheck(torch.ops.torchani_fast.pair_vectors.default, gpu)
+    torch.library.opcheck(torch.ops.torchani_fast.pair_vectors_backward.default,
+                          (grad.cuda(), pairs.cuda(), x.shape[0]))
 
 
 @requires_cuda

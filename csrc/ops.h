@@ -91,6 +91,16 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_cuda(
     const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
     const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs);
+// pair_vectors(_backward) on the device (neighbors/pair_vectors_cuda.cu): the
+// CPU kernels' arithmetic, and a gather without float atomics (the same bits
+// on every run). The pairs are not read back: (-1, -1) is padding (zero
+// vector, no gradient), any other index outside [0, N) gives NaN.
+std::tuple<at::Tensor, at::Tensor> pair_vectors_cuda(const at::Tensor& coords,
+                                                     const at::Tensor& pairs,
+                                                     const c10::optional<at::Tensor>& images,
+                                                     const c10::optional<at::Tensor>& cell);
+at::Tensor pair_vectors_backward_cuda(const at::Tensor& grad, const at::Tensor& pairs,
+                                      int64_t num_atoms);
 #endif
 
 // AEV constants in one struct: every tensor is 1-D on the device of the call.

@@ -91,6 +91,8 @@ TORCH_LIBRARY_IMPL(torchani_fast, CUDA, m) {
   using namespace torchani_fast;
   m.impl("neighbor_pairs", &neighbor_pairs_cuda);
   m.impl("neighbor_pairs_padded", &neighbor_pairs_padded_cuda);
+  m.impl("pair_vectors", &pair_vectors_cuda);
+  m.impl("pair_vectors_backward", &pair_vectors_backward_cuda);
   m.impl("aev", &AevForwardOp::flat<&aev_forward_cuda>);
   m.impl("aev_backward", &AevBackwardOp::flat<&aev_backward_cuda>);
   m.impl("aev_with_edges", &AevWithEdgesOp::flat<&aev_with_edges_cuda>);

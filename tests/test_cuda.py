@@ -6,6 +6,8 @@ Models use the ANI-2x architecture with random weights (seeded), so nothing
 here needs the pretrained files: the same tests run on a bare GPU machine.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -26,8 +28,8 @@ DTYPES = [torch.float32, torch.float64]
 
 @requires_cuda
 def test_extension_has_cuda_kernels():
-    for name in ("neighbor_pairs", "neighbor_pairs_padded", "aev", "aev_backward", "aev_jvp",
-                 "aev_double_backward", "aev_local_derivatives"):
+    for name in ("neighbor_pairs", "neighbor_pairs_padded", "pair_vectors", "pair_vectors_backward",
+                 "aev", "aev_backward", "aev_jvp", "aev_double_backward", "aev_local_derivatives"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torchani_fast::{name}", "CUDA"), (
             f"torchani_fast::{name} has no CUDA kernel: rebuild with TORCHANI_FAST_CUDA=1"
         )
@@ -310,6 +312,80 @@ def test_coords_and_cell_gradcheck_cuda():
     # index_add (atomics on CUDA), reproducible to rounding only.
     assert torch.autograd.gradcheck(energy, (x, c), eps=1e-6, atol=1e-5, rtol=1e-4,
                                     nondet_tol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# The neighbour search's two paths, pair vectors and the force gather
+
+
+@requires_cuda
+def test_neighbor_search_old_and_new_agree(tmp_path):
+    # TORCHANI_FAST_CUDA_NEIGHBORS is read once per process: the other path runs in a child.
+    import os
+    import subprocess
+    import sys
+
+    mine = os.environ.get("TORCHANI_FAST_CUDA_NEIGHBORS", "new") or "new"
+    other = "old" if mine == "new" else "new"
+    names = ["padded_batch", "triclinic_xy", "tiny_cell", "hair_below_face"]
+    script = (
+        "import sys, torch; sys.path.insert(0, {tests!r})\n"
+        "from torchani_fast import ops\n"
+        "from support_cuda import CUTOFF, SYSTEMS, to\n"
+        "out = {{}}\n"
+        "for name in {names!r}:\n"
+        "    s = to(SYSTEMS[name], 'cuda', torch.float32)\n"
+        "    out[name] = [t.cpu() for t in ops.neighbor_pairs(*s, CUTOFF, True)]\n"
+        "    out[name + '/padded'] = [t.cpu() for t in ops.neighbor_pairs_padded(*s, CUTOFF, True, 150)]\n"
+        "torch.save(out, {path!r})\n"
+    ).format(tests=str(Path(__file__).resolve().parent), names=names, path=str(tmp_path / "o.pt"))
+    env = dict(os.environ, TORCHANI_FAST_CUDA_NEIGHBORS=other)
+    subprocess.run([sys.executable, "-c", script], env=env, check=True)
+    theirs = torch.load(tmp_path / "o.pt")
+    for name in names:
+        s = to(SYSTEMS[name], "cuda", torch.float32)
+        ours = [t.cpu() for t in ops.neighbor_pairs(*s, CUTOFF, True)]
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs[name])), name
+        ours = [t.cpu() for t in ops.neighbor_pairs_padded(*s, CUTOFF, True, 150)]
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs[name + "/padded"])), name
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["padded_batch", "triclinic_xy", "tiny_cell"])
+def test_pair_vectors_cuda_matches_cpu(name, dtype):
+    species, coords, cell, pbc = to(SYSTEMS[name], "cpu", dtype)
+    pairs, images = ops.neighbor_pairs(species, coords, cell, pbc, CUTOFF, True)
+    x = coords.reshape(-1, 3)
+    img = None if cell is None else images
+    ref = torch.ops.torchani_fast.pair_vectors(x, pairs, img, cell)
+    got = torch.ops.torchani_fast.pair_vectors(
+        x.cuda(), pairs.cuda(), None if img is None else img.cuda(), None if cell is None else cell.cuda())
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.cpu(), b, **tol)
+    # The force gather: additions in pair order, no atomics: the CPU's bits, every run.
+    grad = torch.randn(pairs.shape[1], 3, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    want = torch.ops.torchani_fast.pair_vectors_backward(grad, pairs, x.shape[0])
+    for _ in range(3):
+        out = torch.ops.torchani_fast.pair_vectors_backward(grad.cuda(), pairs.cuda(), x.shape[0])
+        assert torch.equal(out.cpu(), want)
+    gpu = (x.cuda(), pairs.cuda(), None if img is None else img.cuda(), None if cell is None else cell.cuda())
+    torch.library.opcheck(torch.ops.torchani_fast.pair_vectors.default, gpu)
+    torch.library.opcheck(torch.ops.torchani_fast.pair_vectors_backward.default,
+                          (grad.cuda(), pairs.cuda(), x.shape[0]))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forces_cuda_bit_for_bit_run_to_run(dtype):
+    z, x, cell, pbc = water_box(64, seed=7)
+    fast = torchani_fast.patch(random_model()).to("cuda", dtype)
+    args = (z.cuda(), x.to("cuda", dtype), cell.to("cuda", dtype), pbc.cuda())
+    e0, f0 = energy_forces(fast, *args)
+    for _ in range(3):
+        e, f = energy_forces(fast, *args)
+        assert torch.equal(e, e0) and torch.equal(f, f0)
 
 
 # ---------------------------------------------------------------------------

@@ -4,12 +4,37 @@ The C++ side (``csrc/registration.cpp``) declares the schemas and the CPU,
 CUDA and autograd kernels. The fake kernels here let ``torch.compile``,
 ``torch.export`` and ``torch.library.opcheck`` trace the ops without data.
 """
+import os
 import typing as tp
 
 import torch
 from torch import Tensor
 
 from ._device_paths import host_path
+
+# TORCHANI_FAST_CUDA_NEIGHBORS=old|new (read at every call; unset: new) picks the
+# CUDA neighbour search (the C++ side reads it too) and, here, whether the pair
+# vectors off the CPU are the pair_vectors op (new: one kernel, and a backward
+# without float atomics, so forces repeat bit for bit) or ATen ops (old).
+def cuda_neighbors_switch() -> str:
+    """``TORCHANI_FAST_CUDA_NEIGHBORS``: ``"new"`` (unset or empty) or ``"old"``."""
+    value = os.environ.get("TORCHANI_FAST_CUDA_NEIGHBORS", "") or "new"
+    if value not in ("new", "old"):
+        raise ValueError("TORCHANI_FAST_CUDA_NEIGHBORS must be 'new' or 'old' (or unset: new), got "
+                         + repr(value))
+    return value
+
+
+@torch.jit.unused
+def _switched_op(t: Tensor) -> bool:
+    return t.device.type in ("cuda", "cpu") and cuda_neighbors_switch() == "new"
+
+
+def _pair_vectors_op(t: Tensor) -> bool:
+    """Whether pair_vectors on ``t``'s device is the op (scripted code: always on CPU and CUDA)."""
+    if torch.jit.is_scripting():
+        return t.device.type == "cuda" or t.device.type == "cpu"
+    return _switched_op(t)
 
 __all__ = [
     "neighbor_pairs", "neighbor_pairs_padded", "check_num_pairs", "pair_vectors", "aev", "aev_backward",
@@ -130,8 +155,11 @@ def pair_vectors(
 ) -> tp.Tuple[Tensor, Tensor]:
     """The pairs' difference vectors and their lengths, differentiable w.r.t. coords and cell.
 
-    One pass over the pairs (CPU; ATen on other devices) instead of two gathers,
-    a subtraction, a matrix product and a norm.
+    One pass over the pairs (a CPU or CUDA kernel; ATen on other devices, or
+    on CUDA with ``TORCHANI_FAST_CUDA_NEIGHBORS=old``) instead of two gathers,
+    a subtraction, a matrix product and a norm. Its backward on CUDA sums each
+    atom's pairs in pair order without floating-point atomics, so forces are
+    the same bits on every run.
 
     Parameters
     ----------
@@ -150,7 +178,7 @@ def pair_vectors(
     distances : Tensor, shape (P,)
         Their lengths.
     """
-    if host_path(coords):
+    if host_path(coords) or _pair_vectors_op(coords):
         return torch.ops.torchani_fast.pair_vectors(coords, pairs, images, cell)
     diff = coords.index_select(0, pairs[0]) - coords.index_select(0, pairs[1])
     if cell is not None and images is not None:

@@ -1,4 +1,7 @@
 // CUDA neighbour search: the CPU algorithm (neighbors/neighbors_cpu.cpp) on the device.
+// The older search (4 kernels + 3 ATen launches), kept for A/B runs behind
+// TORCHANI_FAST_CUDA_NEIGHBORS=old; the default is the three-launch one of
+// neighbors/neighbor_rows_cuda.cu.
 //
 // Same grid as on the CPU, built without the host: every quantity that decides
 // a size is bounded by input shapes, so nothing is read back in the default
@@ -21,6 +24,7 @@
 // and also reports the errors that the padded op can only encode in the count.
 #include "common/cuda_common.cuh"
 #include "neighbors/cell_bins.h"
+#include "neighbors/neighbor_rows.h"
 #include "ops.h"
 
 #include <cmath>
@@ -448,6 +452,8 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cuda(const at::Tensor& species
                                                        const c10::optional<at::Tensor>& cell,
                                                        const c10::optional<at::Tensor>& pbc,
                                                        double cutoff, bool cell_list) {
+  if (use_row_neighbors())
+    return neighbor_pairs_rows_cuda(species, coords, cell, pbc, cutoff, cell_list);
   const char* op = "torchani_fast::neighbor_pairs";
   c10::cuda::CUDAGuard guard(coords.device());
   Search s = run_search(op, species, coords, cell, pbc, cutoff, cell_list);
@@ -480,6 +486,8 @@ std::tuple<at::Tensor, at::Tensor> neighbor_pairs_cuda(const at::Tensor& species
 std::tuple<at::Tensor, at::Tensor, at::Tensor> neighbor_pairs_padded_cuda(
     const at::Tensor& species, const at::Tensor& coords, const c10::optional<at::Tensor>& cell,
     const c10::optional<at::Tensor>& pbc, double cutoff, bool cell_list, int64_t max_pairs) {
+  if (use_row_neighbors())
+    return neighbor_pairs_padded_rows_cuda(species, coords, cell, pbc, cutoff, cell_list, max_pairs);
   const char* op = "torchani_fast::neighbor_pairs_padded";
   TORCH_CHECK(max_pairs >= 0, op, ": max_pairs must be >= 0, got ", max_pairs);
   c10::cuda::CUDAGuard guard(coords.device());

@@ -12,6 +12,8 @@ TORCH_LIBRARY(torchani_fast_emu, m) {
   using namespace torchani_fast;
   m.def(schema::kNeighborPairs, &neighbor_pairs_cuda);
   m.def(schema::kNeighborPairsPadded, &neighbor_pairs_padded_cuda);
+  m.def(schema::kPairVectors, &pair_vectors_cuda);
+  m.def(schema::kPairVectorsBackward, &pair_vectors_backward_cuda);
   m.def(schema::kAev, &AevForwardOp::flat<&aev_forward_cuda>);
   m.def(schema::kAevBackward, &AevBackwardOp::flat<&aev_backward_cuda>);
   m.def(schema::kAevWithEdges, &AevWithEdgesOp::flat<&aev_with_edges_cuda>);

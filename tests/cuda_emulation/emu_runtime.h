@@ -105,6 +105,23 @@ T __shfl_xor_sync(unsigned, T v, int offset) {
   return r;
 }
 
+// A ballot is a real barrier of the whole warp, like the shuffles: every lane
+// must reach it (only full masks are emulated; a partial one is refused).
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  TORCH_CHECK(mask == 0xffffffffu, "emu: __ballot_sync with a partial mask ", mask);
+  auto* st = emu::tl_state;
+  const unsigned t = threadIdx.x, w = t / 32;
+  st->exchange[t] = pred ? 1.0 : 0.0;
+  st->warps[w]->arrive_and_wait();
+  unsigned r = 0;
+  for (unsigned l = 0; l < 32; ++l)
+    if (st->exchange[w * 32 + l] != 0.0) r |= 1u << l;
+  st->warps[w]->arrive_and_wait();
+  return r;
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
+
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   return std::atomic_ref<unsigned long long>(*p).fetch_add(v);
 }

@@ -9,9 +9,14 @@
 #   4. runs benchmarks/benchmark_gpu.py (TorchANI vs torchani_fast, 46 atoms to
 #      100k atoms, with and without CUDA graphs),
 #   5. profiles one call (benchmarks/profile_gpu.py),
-#   6. runs compute-sanitizer memcheck over a few kernel tests while time is left
-#      (DEADLINE seconds after the start, default 380),
-# STAGES picks among "tests benchmark profile memcheck" (default: all);
+#   6. runs compute-sanitizer over the kernels' tests while time is left
+#      (DEADLINE seconds after the start, default 450): memcheck, then racecheck
+#      and synccheck (shared memory and warp votes of the AEV and neighbour
+#      kernels), then initcheck,
+# STAGES picks among "tests benchmark profile memcheck racecheck" (default: all);
+# the benchmark times the new kernels and the ones they replace in one process
+# (TORCHANI_FAST_CUDA_NEIGHBORS=old, TORCHANI_FAST_CUDA_AEV=old,
+# TORCHANI_FAST_CUDA_NETWORKS=aten: read at every call).
 # REUSE_BUILD=1 keeps a torchani_fast/_C*.so carried from an earlier call
 # (the .so that step 2 leaves in $OUT) instead of building; PROFILE_SIZES and
 # PROFILE_TORCHANI=1 (profile TorchANI's path too) set up step 5;
@@ -80,7 +85,7 @@ else
   # carry it instead of building again (REUSE_BUILD=1).
   for so in torchani_fast/_C*.so; do strip --strip-debug -o "$OUT/$(basename "$so")" "$so"; done
 fi
-STAGES=${STAGES:-tests benchmark profile memcheck}
+STAGES=${STAGES:-tests benchmark profile memcheck racecheck}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if has tests; then
@@ -96,7 +101,7 @@ tail -3 /tmp/cuaev_build.log
 
 if has benchmark; then
   elapsed "4. benchmark"
-  timeout 150 $PY benchmarks/benchmark_gpu.py --out "$OUT"
+  timeout 240 $PY benchmarks/benchmark_gpu.py --out "$OUT"
   elapsed "benchmark rc=$?"
 fi
 
@@ -108,22 +113,33 @@ if has profile; then
   head -c 1500 "$OUT/profile_gpu.txt"
 fi
 
-# 6. compute-sanitizer memcheck over a few kernels' tests, as far as the time allows
-#    (caching allocator off, so out-of-bounds accesses hit unallocated memory).
-LEFT=$(( ${DEADLINE:-380} - ($(date +%s) - T0) ))
+# 6. compute-sanitizer over the kernels' tests, as far as the time allows (caching
+#    allocator off, so out-of-bounds accesses hit unallocated memory).
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-if ! has memcheck; then
-  :
-elif [ -n "$SAN" ] && [ $LEFT -gt 40 ]; then
-  elapsed "6. memcheck ($LEFT s left)"
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(( LEFT - 10 )) "$SAN" --tool memcheck \
-    --print-limit 20 --log-file "$OUT/memcheck.log" $PY -m pytest tests/test_cuda.py -q -x \
-    -p no:cacheprovider -k "(neighbor_pairs_cuda_matches_cpu and tiny_cell) or \
-(aev_cuda_matches_cpu and (tiny_cell or padded)) or (second_derivative and tiny_cell) or \
-(energy_forces_cuda_vs_torchani and triclinic) or all_launch_shapes or neighbor_errors" 2>&1 | tail -15
-  elapsed "memcheck rc=$?"
-  tail -5 "$OUT/memcheck.log"
-else
-  elapsed "6. memcheck skipped (sanitizer: '${SAN}', $LEFT s left)"
+left() { echo $(( ${DEADLINE:-450} - ($(date +%s) - T0) )); }
+sanitize() {  # tool, pytest -k expression
+  local LEFT; LEFT=$(left)
+  if [ -z "$SAN" ] || [ "$LEFT" -le 40 ]; then
+    elapsed "6. $1 skipped (sanitizer: '${SAN}', $LEFT s left)"; return
+  fi
+  elapsed "6. $1 ($LEFT s left)"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(( LEFT - 10 )) "$SAN" --tool "$1" \
+    --print-limit 20 --log-file "$OUT/$1.log" $PY -m pytest tests/test_cuda.py -q -x \
+    -p no:cacheprovider -k "$2" 2>&1 | tail -8
+  elapsed "$1 rc=$?"
+  tail -5 "$OUT/$1.log"
+}
+if has memcheck; then
+  sanitize memcheck "(neighbor_pairs_cuda_matches_cpu and tiny_cell) or \
+(aev_cuda_matches_cpu and (tiny_cell or padded)) or warp_and_old_kernels or warp_too_many_neighbours or \
+pair_vectors_cuda_matches_cpu or (second_derivative and tiny_cell) or \
+(energy_forces_cuda_vs_torchani and triclinic) or all_launch_shapes or neighbor_errors"
+fi
+if has racecheck; then
+  RACE="(warp_and_old_kernels and tiny_cell) or (neighbor_pairs_cuda_matches_cpu and tiny_cell) or \
+(pair_vectors_cuda_matches_cpu and float32)"
+  sanitize racecheck "$RACE"
+  sanitize synccheck "$RACE"
+  sanitize initcheck "(warp_and_old_kernels and padded) or (neighbor_pairs_padded and cuda)"
 fi
 elapsed "done"

@@ -39,8 +39,13 @@ constexpr int kMaxSpecies = 32;
 constexpr int kGroupThreads = 256;
 constexpr int kThreads = 128;
 constexpr int kSumThreads = 256;
-// Blocks of tiles below which each member gets blocks of its own (split).
-constexpr int64_t kSplitTiles = 128;
+// Tiles (ceil(N / TA)) below which each member gets blocks of its own (the
+// split). The CUDA emulator's build lowers it, so that its small inputs take
+// both paths (tests/cuda_emulation/build.py).
+#ifndef TORCHANI_FAST_DENSE_SPLIT_TILES
+#define TORCHANI_FAST_DENSE_SPLIT_TILES 128
+#endif
+constexpr int64_t kSplitTiles = TORCHANI_FAST_DENSE_SPLIT_TILES;
 
 template <typename T>
 struct Tile;  // atoms per tile: 8 in float32, 4 in float64 (the same shared memory)

@@ -119,3 +119,23 @@ def test_switch_rejects_unknown_values():
                          env={**__import__("os").environ, "TORCHANI_FAST_CUDA_NETWORKS": "cublas"})
     assert run.returncode != 0
     assert "TORCHANI_FAST_CUDA_NETWORKS must be 'fused' or 'aten', got 'cublas'" in run.stderr
+
+
+def test_local_atomic_and_energies_fixed_take_the_op():
+    # The other entry points of the device path: ghost atoms (local_atomic) get 0,
+    # fixed groups (energies_fixed, the step's) are not needed by the op.
+    nets, aev_computer, elem, coords = networks_and_inputs("ANI2x", torch.float64, [[1, 0, 0, 3, 1, 0]])
+    with torch.no_grad():
+        aevs = aev_computer(elem, coords)
+    out = {}
+    for path in ("fused", "aten"):
+        fused_module.CUDA_NETWORKS = path
+        try:
+            with _device_paths.on_cpu():
+                out[path] = (nets.local_atomic(elem, aevs, 4),
+                             nets.energies_fixed(elem, aevs, nets.fixed_groups(elem)))
+        finally:
+            fused_module.CUDA_NETWORKS = "fused"
+    for got, want in zip(out["fused"], out["aten"]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (out["fused"][0][:, 4:] == 0).all() and (out["fused"][0][:, :4] != 0).all()

@@ -1,7 +1,8 @@
 """Typed wrappers over ``torch.ops.torchani_fast`` and the fake (meta) kernels.
 
 The C++ side (``csrc/registration.cpp``) declares the schemas and the CPU,
-CUDA and autograd kernels. The fake kernels here let ``torch.compile``,
+CUDA and autograd kernels (``ensemble_dense``'s autograd and its reference
+CPU kernel are here). The fake kernels here let ``torch.compile``,
 ``torch.export`` and ``torch.library.opcheck`` trace the ops without data.
 """
 import typing as tp

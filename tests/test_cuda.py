@@ -27,7 +27,7 @@ DTYPES = [torch.float32, torch.float64]
 @requires_cuda
 def test_extension_has_cuda_kernels():
     for name in ("neighbor_pairs", "neighbor_pairs_padded", "aev", "aev_backward", "aev_jvp",
-                 "aev_double_backward", "aev_local_derivatives"):
+                 "aev_double_backward", "aev_local_derivatives", "ensemble_dense"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torchani_fast::{name}", "CUDA"), (
             f"torchani_fast::{name} has no CUDA kernel: rebuild with TORCHANI_FAST_CUDA=1"
         )

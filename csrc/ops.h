@@ -239,6 +239,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aev_local_derivatives_cuda(
     const at::Tensor& pairs, const at::Tensor& diff_vectors, const AEVParams& p);
 #endif
 
+#ifdef TORCHANI_FAST_CUDA
+// ensemble_dense (ensemble/ensemble_cuda.cu): every element's network of every
+// member for the atoms of aev (N, F), atom n reading element elem_idxs[n] (-1:
+// padding, value 0). Per layer l: weights[l] (S, members, d_in, d_out),
+// weights_t[l] (S, members, d_out, d_in) (the same, transposed) and biases[l]
+// (S, members, d_out), zero-padded to the widest element (layer 1: d_in = F;
+// last layer: d_out = 1). Returns atomic (N,), each atom's outputs summed over
+// the members in member order, and with input_grad its derivative jacobian
+// (N, F) = d atomic / d aev (else (0, F)). Elements outside [-1, S) give NaN
+// (no synchronisation). Deterministic; not differentiable itself
+// (torchani_fast/ops.py registers its autograd).
+std::tuple<at::Tensor, at::Tensor> ensemble_dense_cuda(
+    const at::Tensor& aev, const at::Tensor& elem_idxs, at::TensorList weights,
+    at::TensorList weights_t, at::TensorList biases, int64_t activation, bool input_grad);
+#endif
+
 // Autograd kernels (autograd.cpp): aev differentiates through aev_backward,
 // aev_backward through aev_jvp and aev_double_backward; aev_jvp differentiates
 // again (through aev_backward and aev_double_backward); aev_double_backward only

@@ -44,7 +44,7 @@ TORCH_LIBRARY(torchani_fast, m) {
   for (const char* schema :
        {kNeighborPairs, kNeighborPairsPadded, kPairVectors, kPairVectorsBackward, kAev,
         kAevWithEdges, kAevBackwardEdges, kAevBackward, kAevJvp, kAevDoubleBackward, kAevLocalDerivatives, kEnsembleMlp,
-        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kEnsembleTrain, kWeightsState, kGroupAtoms,
+        kEnsembleMlpBackward, kEnsembleAtomic, kEnsembleEnergies, kEnsembleTrain, kEnsembleDense, kWeightsState, kGroupAtoms,
         kFirstInvalidAtom, kValidCell, kConvertSpecies, kSimdActivation, kSimdErf,
         kRepulsionXtb, kDispersionD3, kPairEnergiesBackward}) {
     m.def(schema);
@@ -100,6 +100,7 @@ TORCH_LIBRARY_IMPL(torchani_fast, CUDA, m) {
   m.impl("aev_jvp", &AevBackwardOp::flat<&aev_jvp_cuda>);
   m.impl("aev_double_backward", &AevDoubleBackwardOp::flat<&aev_double_backward_cuda>);
   m.impl("aev_local_derivatives", &AevLocalDerivativesOp::flat<&aev_local_derivatives_cuda>);
+  m.impl("ensemble_dense", &ensemble_dense_cuda);
 }
 #endif
 

@@ -53,6 +53,11 @@ constexpr const char* kEnsembleEnergies =
 constexpr const char* kEnsembleTrain =
     "ensemble_train(Tensor aev, Tensor atoms, int[] sizes, Tensor[] columns, Tensor[] first, "
     "Tensor[] packs, int[] layers, int members, int small, int activation=0) -> Tensor";
+// The networks of every element and member for all atoms at once, with weights
+// stacked and zero-padded per layer (ensemble/ensemble_cuda.cu; CUDA only).
+constexpr const char* kEnsembleDense =
+    "ensemble_dense(Tensor aev, Tensor elem_idxs, Tensor[] weights, Tensor[] weights_t, "
+    "Tensor[] biases, int activation=0, bool input_grad=False) -> (Tensor atomic, Tensor jacobian)";
 // The float32/float64 activations and erf of the networks' kernels, elementwise (for tests).
 constexpr const char* kSimdActivation =
     "simd_activation(Tensor x, int activation) -> (Tensor values, Tensor derivative)";

@@ -2,6 +2,7 @@
 systems), shared by test_cuda.py (on a GPU) and test_cuda_emulated.py (the CPU
 emulator)."""
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchani_fast.testing import random_ani2x, random_molecule, water_box
 
@@ -101,3 +102,31 @@ def diff_vectors(coords, cell, pairs, images):
     if cell is not None:
         d = d + images @ cell
     return d
+
+
+# ---------------------------------------------------------------------------
+# The CPU emulator of the CUDA kernels (tests/cuda_emulation)
+
+
+def load_emulator():
+    """torch.ops.torchani_fast_emu, built on first use (minutes)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emulation"))
+    import build
+
+    return build.load()
+
+
+class Emulated(TorchDispatchMode):
+    """Inside the block, torchani_fast's ops that have emulated CUDA kernels run those."""
+
+    def __init__(self, emu):
+        super().__init__()
+        self.emu = emu
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "torchani_fast" and hasattr(self.emu, func._opname):
+            func = getattr(self.emu, func._opname).default
+        return func(*args, **(kwargs or {}))

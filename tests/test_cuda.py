@@ -29,7 +29,8 @@ DTYPES = [torch.float32, torch.float64]
 @requires_cuda
 def test_extension_has_cuda_kernels():
     for name in ("neighbor_pairs", "neighbor_pairs_padded", "pair_vectors", "pair_vectors_backward",
-                 "aev", "aev_backward", "aev_jvp", "aev_double_backward", "aev_local_derivatives"):
+                 "aev", "aev_backward", "aev_jvp", "aev_double_backward", "aev_local_derivatives",
+                 "ensemble_dense"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torchani_fast::{name}", "CUDA"), (
             f"torchani_fast::{name} has no CUDA kernel: rebuild with TORCHANI_FAST_CUDA=1"
         )
@@ -747,3 +748,71 @@ def test_graphed_periodic_step_follows_a_box_changed_in_place(dtype):
         np.testing.assert_allclose(forces, want.forces.cpu().numpy(), rtol=0,
                                    atol=tol * 100 * float(want.forces.abs().max()))
     assert steps.events == [("capture", "first use")]
+
+
+# ---------------------------------------------------------------------------
+# The networks op (ensemble_dense, csrc/ensemble/ensemble_cuda.cu) against the
+# ATen path (TORCHANI_FAST_CUDA_NETWORKS=aten) and the CPU's C++ op
+
+
+def _energy_forces_paths(model, z, x, cell=None, pbc=None):
+    """{path: (energies, forces)} of a CUDA model with the networks by each path."""
+    from torchani_fast.nn import fused
+
+    out = {}
+    for path in ("fused", "aten"):
+        fused.CUDA_NETWORKS = path
+        try:
+            out[path] = energy_forces(model, z, x, cell, pbc)
+        finally:
+            fused.CUDA_NETWORKS = "fused"
+    return out
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["molecule46", "padded_batch", "water400"])
+@pytest.mark.parametrize("name", ["ANI2x", "ANI2xr"])
+def test_networks_op_cuda_vs_aten_and_cpu(name, kind, dtype):
+    from torchani_fast.testing import random_model as factory_model
+
+    cell = pbc = None
+    if kind == "molecule46":
+        z, x = molecule()
+    elif kind == "padded_batch":
+        z, x = padded_batch()
+    else:  # 1200 atoms: tiles enough for one block per tile (no member split)
+        z, x, cell, pbc = water_box(400, seed=5)
+    model = torchani_fast.patch(factory_model(name, dtype=torch.float64)).to("cuda", dtype)
+    args = [z.cuda(), x.to("cuda", dtype), None if cell is None else cell.to("cuda", dtype),
+            None if pbc is None else pbc.cuda()]
+    paths = _energy_forces_paths(model, *args)
+    cpu = torchani_fast.patch(factory_model(name, dtype=torch.float64)).to(dtype)
+    want_cpu = energy_forces(cpu, z, x.to(dtype), None if cell is None else cell.to(dtype), pbc)
+    # float64 1e-12 relative; float32 1e-5 of the largest value (energies, forces)
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    for got, aten, want in zip(paths["fused"], paths["aten"], want_cpu):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, aten, rtol=rtol, atol=rtol * scale)
+        torch.testing.assert_close(got.cpu(), want, rtol=rtol, atol=rtol * scale)
+    again = energy_forces(model, *args)  # the same bits on every run
+    assert all(torch.equal(a, b) for a, b in zip(paths["fused"], again))
+
+
+@requires_cuda
+def test_networks_op_cuda_no_sync():
+    # One op, three kernels (group, networks, member sum), nothing read back.
+    z, x = molecule()
+    model = torchani_fast.patch(random_model()).to("cuda")
+    nets = model.potentials["nnp"].neural_networks
+    elem = model.species_converter(z.cuda())
+    aevs = model.potentials["nnp"].aev_computer(elem, x.cuda()).requires_grad_(True)
+    nets(elem, aevs)  # (packs cached)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        energies = nets(elem, aevs)
+        (grad,) = torch.autograd.grad(energies.sum(), aevs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert grad.abs().sum() > 0

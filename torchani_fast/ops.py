@@ -1,7 +1,8 @@
 """Typed wrappers over ``torch.ops.torchani_fast`` and the fake (meta) kernels.
 
 The C++ side (``csrc/registration.cpp``) declares the schemas and the CPU,
-CUDA and autograd kernels. The fake kernels here let ``torch.compile``,
+CUDA and autograd kernels (``ensemble_dense``'s autograd and its reference
+CPU kernel are here). The fake kernels here let ``torch.compile``,
 ``torch.export`` and ``torch.library.opcheck`` trace the ops without data.
 """
 import os
@@ -38,7 +39,7 @@ def _pair_vectors_op(t: Tensor) -> bool:
 
 __all__ = [
     "neighbor_pairs", "neighbor_pairs_padded", "check_num_pairs", "pair_vectors", "aev", "aev_backward",
-    "aev_jvp", "aev_double_backward", "aev_local_derivatives",
+    "aev_jvp", "aev_double_backward", "aev_local_derivatives", "ensemble_dense",
 ]
 
 
@@ -621,6 +622,99 @@ def ensemble_train(aev: Tensor, atoms: Tensor, sizes: tp.List[int], columns: tp.
     """Atomic energies for training: differentiable in the weights (ATen on any device)."""
     return torch.ops.torchani_fast.ensemble_train(aev, atoms, sizes, columns, first, packs, layers, members,
                                                   small, activation)
+
+
+def ensemble_dense(aev: Tensor, elem_idxs: Tensor, weights: tp.List[Tensor], weights_t: tp.List[Tensor],
+                   biases: tp.List[Tensor], activation: int = 0) -> Tensor:
+    """Each atom's network outputs summed over the members, (N,), differentiable in ``aev``.
+
+    The networks of every element and member in one op (CUDA: two or three
+    launches, no host synchronisation, csrc/ensemble/ensemble_cuda.cu), with the
+    weights stacked per layer and zero-padded to the widest element:
+    ``weights[l]`` (S, members, d_in, d_out), ``weights_t[l]`` the same transposed
+    (S, members, d_out, d_in), ``biases[l]`` (S, members, d_out); layer 1 reads
+    all of ``aev``'s (N, F) columns, the last layer has one output.
+    ``elem_idxs`` (N,): each atom's element, -1 for padding (value 0); others
+    outside [-1, S) give NaN. ``activation``: 0 CELU(0.1), 1 GELU.
+    With grad, the op also returns d(value)/d(aev) (N, F), and the backward is
+    ``grad[:, None] * jacobian``; under ``create_graph=True`` the backward
+    recomputes the networks in ATen ops instead, so Hessians work (slower).
+    """
+    input_grad = aev.requires_grad and torch.is_grad_enabled()
+    return torch.ops.torchani_fast.ensemble_dense(aev, elem_idxs, weights, weights_t, biases, activation,
+                                                  input_grad)[0]
+
+
+def _dense_reference(aev: Tensor, elem_idxs: Tensor, weights: tp.List[Tensor], biases: tp.List[Tensor],
+                     activation: int, input_grad: bool) -> tp.Tuple[Tensor, Tensor]:
+    """ensemble_dense's outputs in differentiable ATen ops: every element's networks on
+    every atom, kept where the atom has that element (S times the work); the
+    jacobian by hand (PyTorch's activation backwards), (0, F) without input_grad."""
+    from .nn.recompute import _activate, _activation_backward
+
+    n, s_num, k = aev.shape[0], weights[0].shape[0], weights[0].shape[1]
+    out = aev.new_zeros((n,))
+    jac = aev.new_zeros((n if input_grad else 0, aev.shape[1]))
+    for e in range(s_num):
+        h = aev.unsqueeze(0).expand(k, n, aev.shape[1])
+        pre: tp.List[Tensor] = []
+        for l in range(len(weights)):
+            h = torch.baddbmm(biases[l][e].unsqueeze(1), h, weights[l][e])
+            if l + 1 < len(weights):
+                pre.append(h)
+                h = _activate(h, activation)
+        mine = (elem_idxs == e).unsqueeze(1)
+        out = torch.where(mine[:, 0], h.squeeze(-1).sum(0), out)
+        if input_grad:
+            g = weights[-1][e].transpose(1, 2).expand(k, n, weights[-1].shape[2])
+            for l in range(len(weights) - 2, -1, -1):
+                g = torch.bmm(_activation_backward(g, pre[l], activation), weights[l][e].transpose(1, 2))
+            jac = torch.where(mine, g.sum(0), jac)
+    bad = (elem_idxs < -1) | (elem_idxs >= s_num)
+    out = torch.where(bad, torch.full_like(out, float("nan")), out)
+    if input_grad:
+        jac = torch.where(bad.unsqueeze(1), torch.full_like(jac, float("nan")), jac)
+    return out, jac
+
+
+@torch.library.impl("torchani_fast::ensemble_dense", "cpu")
+def _ensemble_dense_cpu(aev, elem_idxs, weights, weights_t, biases, activation=0, input_grad=False):
+    # The reference on CPU tensors (the device paths run on the CPU, _device_paths.on_cpu).
+    return _dense_reference(aev, elem_idxs, weights, biases, activation, input_grad)
+
+
+@torch.library.register_fake("torchani_fast::ensemble_dense")
+def _ensemble_dense_fake(aev, elem_idxs, weights, weights_t, biases, activation=0, input_grad=False):
+    torch._check(aev.dim() == 2, lambda: "aev must be (atoms, features)")
+    torch._check(elem_idxs.shape == aev.shape[:1], lambda: "elem_idxs must be (atoms,)")
+    return aev.new_empty((aev.shape[0],)), aev.new_empty((aev.shape[0] if input_grad else 0, aev.shape[1]))
+
+
+def _ensemble_dense_setup(ctx, inputs, output) -> None:
+    aev, elem_idxs, weights, weights_t, biases, activation, input_grad = inputs
+    ctx.save_for_backward(aev, elem_idxs, output[1])
+    ctx.weights, ctx.biases, ctx.activation, ctx.input_grad = weights, biases, activation, input_grad
+
+
+def _ensemble_dense_backward(ctx, grad_atomic, grad_jacobian):
+    aev, elem_idxs, jac = ctx.saved_tensors
+    none = [None] * len(ctx.weights)  # (the weights are constants)
+    if grad_atomic is None:
+        return None, None, none, none, none, None, None
+    if torch.is_grad_enabled():
+        # create_graph=True (Hessians, force training): the jacobian again, as ATen
+        # ops of aev, so that the gradient can be differentiated.
+        jac = _dense_reference(aev, elem_idxs, ctx.weights, ctx.biases, ctx.activation, True)[1]
+        grad = grad_atomic.unsqueeze(1) * jac
+    else:
+        torch._check(ctx.input_grad, lambda: "torchani_fast::ensemble_dense was called with input_grad=False: "
+                     "no jacobian for its backward (call ops.ensemble_dense)")
+        grad = grad_atomic.unsqueeze(1) * jac
+    return grad, None, none, none, none, None, None
+
+
+torch.library.register_autograd("torchani_fast::ensemble_dense", _ensemble_dense_backward,
+                                setup_context=_ensemble_dense_setup)
 
 
 def group_atoms(elem_idxs: Tensor, num_species: int, aev: tp.Optional[Tensor] = None, radial_sublen: int = 0,

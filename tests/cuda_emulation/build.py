@@ -50,7 +50,9 @@ def load(verbose=False):
                 str(CSRC / "aev" / "vector_f64_cpu.cpp"),
                 str(CSRC / "neighbors" / "neighbors_cpu.cpp"), str(CSRC / "common" / "parallel.cpp"),
                 str(CSRC / "common" / "workspace.cpp"), str(HERE / "emu_registration.cpp")]
-    flags = ["-O1", "-std=c++20", "-fopenmp", "-DTORCHANI_FAST_CUDA",
+    # (ensemble_dense splits the members over blocks below 2 tiles instead of 128:
+    # the emulator's few atoms then take both of its paths.)
+    flags = ["-O1", "-std=c++20", "-fopenmp", "-DTORCHANI_FAST_CUDA", "-DTORCHANI_FAST_DENSE_SPLIT_TILES=2",
              "-Dtorchani_fast=torchani_fast_emu", f"-I{out}", f"-I{HERE}", f"-I{CSRC}"]
     cpp_extension.load(
         name="torchani_fast_emu", sources=sources, extra_cflags=flags,

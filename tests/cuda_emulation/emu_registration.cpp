@@ -21,5 +21,6 @@ TORCH_LIBRARY(torchani_fast_emu, m) {
   m.def(schema::kAevJvp, &AevBackwardOp::flat<&aev_jvp_cuda>);
   m.def(schema::kAevDoubleBackward, &AevDoubleBackwardOp::flat<&aev_double_backward_cuda>);
   m.def(schema::kAevLocalDerivatives, &AevLocalDerivativesOp::flat<&aev_local_derivatives_cuda>);
+  m.def(schema::kEnsembleDense, &ensemble_dense_cuda);
   m.def("launch_count() -> int", []() -> int64_t { return ::emu::launches.load(); });
 }

@@ -3,6 +3,7 @@
 How they work (the C++ op, zero blocks and chunks, packing and its caches,
 training, backward passes): docs/design.md.
 """
+import os
 import threading
 import typing as tp
 
@@ -30,7 +31,7 @@ except ImportError:  # TorchANI 2.2.4: the base of torchani_fast.legacy's fused 
 from .. import ops
 from .._device_paths import host_path
 from .grouping import composition_groups, groups
-from .layout import (_activation_of, _aev_layout, _Layout, _zero_blocks_mean_no_neighbors,
+from .layout import (_activation_of, _aev_layout, _bitmask, _Layout, _zero_blocks_mean_no_neighbors,
                      charge_unsupported_reason, linears as _linears, unsupported_reason)
 from .packing import OpArgs, _WeightPacks
 from .training import element_packs, first_layer_weights, select_columns
@@ -46,6 +47,23 @@ SPLIT_MIN_ATOMS = 64  # smallest group of atoms worth a second layer-1 GEMM
 # members (x broadcast, the packed weights viewed per member) rather than one wide
 # GEMM: 1.4-2x faster there on the CPU (MKL splits the batch across threads).
 SMALL_GROUP_ATOMS = 256
+
+
+def _networks_switch() -> str:
+    value = os.environ.get("TORCHANI_FAST_CUDA_NETWORKS", "fused")
+    if value not in ("fused", "aten"):
+        raise ValueError(f"TORCHANI_FAST_CUDA_NETWORKS must be 'fused' or 'aten', got {value!r}")
+    return value
+
+
+# How the device path (CUDA, or CPU tensors under _device_paths.on_cpu) evaluates
+# the networks: "fused", the ensemble_dense op (every element and member in one
+# op, no grouping, no host synchronisation), or "aten", the groups op by op.
+# Read once from TORCHANI_FAST_CUDA_NETWORKS; assign it to compare the two in one
+# process. Training (weights that require grad), per-member values
+# (ensemble_values=True), charge networks, scripted modules and networks of
+# differing depths take the ATen path whatever it says.
+CUDA_NETWORKS = _networks_switch()
 
 
 class _FusedBase(_WeightPacks, AtomicContainer):
@@ -164,6 +182,12 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         assert aevs is not None, "aevs is required"
         assert elem_idxs.shape == aevs.shape[:-1], "elem_idxs must be (M, A) and aevs (M, A, F)"
         reduce = not atomic and not (ensemble_values and self.is_ensemble)
+        if not torch.jit.is_scripting():
+            if not (ensemble_values and self.is_ensemble):
+                # The device path's networks op (the members summed in the op).
+                dense = self._dense_atomic(elem_idxs, aevs)
+                if dense is not None:
+                    return dense if atomic else dense.sum(1)
         if torch.compiler.is_compiling():
             values = self._traced_atomic(elem_idxs.flatten(), aevs.flatten(0, 1))
             return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], atomic, ensemble_values)
@@ -180,6 +204,11 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         atoms: a local atom may see an element that only ghost atoms have, whose
         columns the composition of the local atoms alone would skip.
         """
+        if not torch.jit.is_scripting():
+            index = torch.arange(elem_idxs.shape[1], device=elem_idxs.device)
+            dense = self._dense_atomic(torch.where(index < num_local, elem_idxs, -1), aevs)
+            if dense is not None:
+                return dense
         flat = elem_idxs.flatten()
         aev = aevs.flatten(0, 1)
         k = len(self._evaluated_members())
@@ -454,6 +483,9 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         groups: tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]],
     ) -> Tensor:
         """Energies (M,) like ``forward(elem_idxs, aevs)``, with groups from :meth:`fixed_groups`."""
+        dense = self._dense_atomic(elem_idxs, aevs)
+        if dense is not None:
+            return dense.sum(1)
         atoms, elems, masks, sizes = groups
         num_atoms = elem_idxs.numel()
         k = len(self._evaluated_members())
@@ -463,6 +495,65 @@ class _FusedBase(_WeightPacks, AtomicContainer):
             values = self._grouped_atomic(num_atoms, aevs.flatten(0, 1), atoms, elems, masks, sizes,
                                           elem_idxs.shape[0])
         return self._reduce(values, elem_idxs.shape[0], elem_idxs.shape[1], False, False)
+
+    # -- the device path's one op (ensemble_dense) ------------------------------------
+
+    @torch.jit.unused
+    def _dense_atomic(self, elem_idxs: Tensor, aevs: Tensor) -> tp.Optional[Tensor]:
+        """Atomic values (M, A) summed over the active members and divided by their
+        number (ensembles) by the ensemble_dense op, or None where that op does not
+        serve this call (``CUDA_NETWORKS``; the CPU's own path; see there)."""
+        if CUDA_NETWORKS != "fused" or host_path(aevs) or torch.compiler.is_compiling():
+            return None
+        if self.output_row >= 0 or len(set(self.num_layers)) != 1 or self.num_layers[0] < 2:
+            return None
+        if self.num_species > 32 or aevs.dtype not in (torch.float32, torch.float64):
+            return None
+        if aevs.dtype != self._probe.dtype or aevs.device != self._probe.device:
+            return None
+        act = self._evaluated_members()
+        if self._weights_epoch() < 0:
+            return None  # training: the weights' gradients come from the ATen path
+        weights, weights_t, biases = self._dense_packs(act)
+        total = ops.ensemble_dense(aevs.flatten(0, 1), elem_idxs.flatten(), weights, weights_t, biases,
+                                   self.activation).view(elem_idxs.shape)
+        if self.is_ensemble:
+            total = total / len(self.active_members_idxs)
+        return total
+
+    @torch.jit.unused
+    def _dense_packs(self, act: tp.List[int]) -> tp.Tuple[tp.List[Tensor], tp.List[Tensor], tp.List[Tensor]]:
+        """ensemble_dense's weights for these members, cached: per layer W (S, k, d_in,
+        d_out), W^T (S, k, d_out, d_in) and b (S, k, d_out), zero-padded to the
+        widest element (a zero unit stays zero through CELU and GELU)."""
+        cache = self._cache()
+        key = -(1 << 50) - _bitmask(act)
+        packs = cache.get(key)
+        if packs is not None and not self._stale(packs[0]):
+            return self._split_dense(packs)
+        with torch.inference_mode(False), torch.no_grad():
+            ws = self._member_weights()
+            s_num, k, num_layers = self.num_species, len(act), self.num_layers[0]
+            built: tp.List[Tensor] = []
+            d_in = self.in_dim
+            for l in range(num_layers):
+                d_out = max(int(ws[act[0]][e][2 * l].shape[0]) for e in range(s_num))
+                w = self._probe.new_zeros((s_num, k, d_in, d_out))
+                b = self._probe.new_zeros((s_num, k, d_out))
+                for e in range(s_num):
+                    for i, m in enumerate(act):
+                        weight = ws[m][e][2 * l]  # (out, in)
+                        w[e, i, :weight.shape[1], :weight.shape[0]] = weight.t()
+                        if self.layer_biases[e][l]:
+                            b[e, i, :weight.shape[0]] = ws[m][e][2 * l + 1]
+                built.extend([w, w.transpose(2, 3).contiguous(), b])
+                d_in = d_out
+        cache.put(key, built, self.max_first_layer_packs)
+        return self._split_dense(built)
+
+    @staticmethod
+    def _split_dense(packs: tp.List[Tensor]) -> tp.Tuple[tp.List[Tensor], tp.List[Tensor], tp.List[Tensor]]:
+        return packs[0::3], packs[1::3], packs[2::3]
 
     def _composition_groups(self, flat: Tensor) -> tp.Tuple[Tensor, tp.List[int], tp.List[int], tp.List[int]]:
         """One group per element present, all reading every present block (grouping.py)."""

@@ -126,13 +126,21 @@ OLD_KERNELS = {"TORCHANI_FAST_CUDA_NEIGHBORS": "old", "TORCHANI_FAST_CUDA_AEV": 
 
 
 class old_kernels:
-    """The kernels the new ones replace, for the duration of a ``with`` block."""
+    """The kernels the new ones replace, for the duration of a ``with`` block (the
+    networks' switch is also the module attribute ``fused.CUDA_NETWORKS``)."""
 
     def __enter__(self):
+        from torchani_fast.nn import fused
+
         self.saved = {k: os.environ.get(k) for k in OLD_KERNELS}
+        self.networks = fused.CUDA_NETWORKS
         os.environ.update(OLD_KERNELS)
+        fused.CUDA_NETWORKS = OLD_KERNELS["TORCHANI_FAST_CUDA_NETWORKS"]
 
     def __exit__(self, *exc):
+        from torchani_fast.nn import fused
+
+        fused.CUDA_NETWORKS = self.networks
         for k, v in self.saved.items():
             if v is None:
                 os.environ.pop(k, None)

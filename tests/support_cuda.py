@@ -130,3 +130,14 @@ class Emulated(TorchDispatchMode):
         if func.namespace == "torchani_fast" and hasattr(self.emu, func._opname):
             func = getattr(self.emu, func._opname).default
         return func(*args, **(kwargs or {}))
+
+
+def small_batch():
+    """Three small molecules padded with -1 (8, 6 and 4 atoms)."""
+    species = torch.full((3, 8), -1)
+    coords = torch.zeros(3, 8, 3, dtype=torch.float64)
+    g = torch.Generator().manual_seed(9)
+    for m, n in enumerate((8, 6, 4)):
+        species[m, :n] = torch.randint(0, 7, (n,), generator=g)
+        coords[m, :n] = torch.rand(n, 3, generator=g, dtype=torch.float64) * 3.0
+    return species, coords, None, None

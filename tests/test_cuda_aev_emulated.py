@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from support import aev_args  # noqa: E402
-from support_cuda import CUTOFF, SYSTEMS, diff_vectors, random_model  # noqa: E402
+from support_cuda import CUTOFF, SYSTEMS, diff_vectors, random_model, small_batch  # noqa: E402
 
 DTYPES = [torch.float32, torch.float64]
 MAX_SLOTS = 256  # half edges per atom (kMaxSlots in aev_warp.cuh)
@@ -68,17 +68,6 @@ def water_cluster(n_atoms=64):
     keep = (coords[0] - cell.sum(0) / 2).norm(dim=1).argsort()[:n_atoms]
     species = torch.cat([species[:, keep], torch.tensor([[1]])], 1)
     coords = torch.cat([coords[:, keep], torch.tensor([[[60.0, 60.0, 60.0]]], dtype=torch.float64)], 1)
-    return species, coords, None, None
-
-
-def small_batch():
-    """Three small molecules padded with -1 (8, 6 and 4 atoms)."""
-    species = torch.full((3, 8), -1)
-    coords = torch.zeros(3, 8, 3, dtype=torch.float64)
-    g = torch.Generator().manual_seed(9)
-    for m, n in enumerate((8, 6, 4)):
-        species[m, :n] = torch.randint(0, 7, (n,), generator=g)
-        coords[m, :n] = torch.rand(n, 3, generator=g, dtype=torch.float64) * 3.0
     return species, coords, None, None
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from support import aev_args, tiny_consts, tiny_periodic_system  # noqa: E402
 from support_cuda import (  # noqa: E402
-    CUTOFF, SYSTEMS, diff_vectors, pair_set, random_model, to,
+    CUTOFF, SYSTEMS, diff_vectors, pair_set, random_model, small_batch, to,
 )
 
 DTYPES = [torch.float32, torch.float64]
@@ -118,17 +118,6 @@ def gas(n, seed=0, neighbours=3.0):
     length = (n / (neighbours / (4 / 3 * 3.14159 * CUTOFF**3))) ** (1 / 3)
     coords = torch.rand(1, n, 3, generator=g, dtype=torch.float64) * length
     species = torch.randint(0, 4, (1, n), generator=g)
-    return species, coords, None, None
-
-
-def small_batch():
-    """Three small molecules padded with -1 (8, 6 and 4 atoms)."""
-    species = torch.full((3, 8), -1)
-    coords = torch.zeros(3, 8, 3, dtype=torch.float64)
-    g = torch.Generator().manual_seed(9)
-    for m, n in enumerate((8, 6, 4)):
-        species[m, :n] = torch.randint(0, 7, (n,), generator=g)
-        coords[m, :n] = torch.rand(n, 3, generator=g, dtype=torch.float64) * 3.0
     return species, coords, None, None
 
 

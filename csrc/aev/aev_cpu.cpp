@@ -16,6 +16,7 @@
 
 #include "aev/half_edges.h"
 #include "aev/vector_cpu.h"
+#include "common/tensor_id.h"
 #include "common/workspace.h"
 #include "common/parallel.h"
 #include "common/simd_math.h"
@@ -246,22 +247,6 @@ void backward_kernel(const int64_t* species, const scalar_t* diff, const HalfEdg
 // TensorImpl (referenced weakly, so that a new tensor at a freed one's address
 // cannot match), version, data pointer, sizes and strides, the same cutoff,
 // species count and layout; any other call builds its own.
-struct TensorId {
-  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
-  int64_t version;
-  const void* data;
-  std::vector<int64_t> sizes, strides;
-
-  explicit TensorId(const at::Tensor& t)
-      : impl(t.getIntrusivePtr()), version(t._version()), data(t.data_ptr()),
-        sizes(t.sizes().vec()), strides(t.strides().vec()) {}
-  bool same(const at::Tensor& t) const {
-    return impl._unsafe_get_target() == t.unsafeGetTensorImpl() && !t.is_inference() &&
-           t._version() == version && t.data_ptr() == data && t.sizes().equals(sizes) &&
-           t.strides().equals(strides);
-  }
-};
-
 struct KeptEdges {
   std::shared_ptr<const HalfEdges> edges;
   TensorId species, pairs, diff;

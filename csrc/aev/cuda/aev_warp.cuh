@@ -37,6 +37,7 @@
 #include <cstring>
 
 #include "aev/cuda/edges.cuh"
+#include "common/tensor_id.h"
 
 namespace torchani_fast {
 namespace {
@@ -526,25 +527,9 @@ void warp_backward(const char* op, const Params<scalar_t>& k, const at::Tensor& 
 // input tensors they were built from (same TensorImpl, version, data pointer,
 // sizes and strides; same cutoffs and species count).
 
-struct InputId {
-  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
-  int64_t version;
-  const void* data;
-  std::vector<int64_t> sizes, strides;
-
-  explicit InputId(const at::Tensor& t)
-      : impl(t.getIntrusivePtr()), version(t._version()), data(t.data_ptr()),
-        sizes(t.sizes().vec()), strides(t.strides().vec()) {}
-  bool same(const at::Tensor& t) const {
-    return impl._unsafe_get_target() == t.unsafeGetTensorImpl() && !t.is_inference() &&
-           t._version() == version && t.data_ptr() == data && t.sizes().equals(sizes) &&
-           t.strides().equals(strides);
-  }
-};
-
 struct KeptSlots {
   SlotEdges slots;
-  InputId species, pairs, diff;
+  TensorId species, pairs, diff;
   double rc_r, rc_a;
   int64_t num_species;
 };
@@ -559,7 +544,7 @@ at::Tensor slots_handle(const at::Tensor& species, const at::Tensor& pairs,
   if (species.is_inference() || pairs.is_inference() || diff.is_inference() ||
       slots.slots.nbytes() + slots.keep.nbytes() > kMaxKeptSlotBytes)
     return at::empty({0}, options);
-  auto* kept = new KeptSlots{std::move(slots), InputId(species), InputId(pairs), InputId(diff),
+  auto* kept = new KeptSlots{std::move(slots), TensorId(species), TensorId(pairs), TensorId(diff),
                              p.radial_cutoff, p.angular_cutoff, p.num_species};
   c10::Storage storage(c10::Storage::use_byte_size_t(), 0,
                        c10::DataPtr(kept, kept, &delete_kept_slots, diff.device()),

@@ -136,7 +136,10 @@ def test_help_explains_options(capsys):
     assert exc.value.code == 2
 
 
-def test_optimize_matches_torchani_bfgs(pair, tmp_path, capsys):
+@pytest.mark.parametrize("hessian", ["ase", "lindh"])
+def test_optimize_matches_torchani_bfgs(pair, tmp_path, capsys, hessian):
+    """ASE's BFGS with TorchANI's calculator: the same path with ``--hessian ase``;
+    the same minimum from Lindh's model Hessian (the default)."""
     import ase.optimize
     from ase.build import molecule
 
@@ -144,7 +147,7 @@ def test_optimize_matches_torchani_bfgs(pair, tmp_path, capsys):
     ethanol = tmp_path / "ethanol.xyz"
     ase.io.write(ethanol, molecule("CH3CH2OH"), format="xyz")  # plain XYZ, no cell
     out = tmp_path / "opt.xyz"
-    assert run("optimize", MOLECULES / "CH4-5.xyz", ethanol, "-i", "-1",
+    assert run("optimize", MOLECULES / "CH4-5.xyz", ethanol, "-i", "-1", "--hessian", hessian,
                "--fmax", "0.005", "-d", "cpu", "--no-progress", "-o", out) == 0
     table = capsys.readouterr().out
     assert "2/2 converged" in table and "ethanol.xyz" in table
@@ -155,8 +158,14 @@ def test_optimize_matches_torchani_bfgs(pair, tmp_path, capsys):
         start.calc = torchani.ase.Calculator(ref)
         ase.optimize.BFGS(start, logfile=None).run(fmax=0.005, steps=1000)
         assert atoms.info["converged"] and atoms.info["source"] == str(path)
-        assert atoms.get_potential_energy() == pytest.approx(start.get_potential_energy(), rel=0, abs=1e-6)
-        np.testing.assert_allclose(atoms.positions, start.positions, rtol=0, atol=1e-4)
+        # Two points with forces below fmax near one minimum: energies within
+        # ~fmax^2 / (2 k) of each other (k > 1 eV/Å² here).
+        assert atoms.get_potential_energy() == pytest.approx(start.get_potential_energy(), rel=0,
+                                                             abs=1e-6 if hessian == "ase" else 1e-4)
+        if hessian == "ase":
+            np.testing.assert_allclose(atoms.positions, start.positions, rtol=0, atol=1e-4)
+        else:  # (the paths differ: so may the orientation; the interatomic distances may not)
+            np.testing.assert_allclose(atoms.get_all_distances(), start.get_all_distances(), rtol=0, atol=2e-3)
         assert np.abs(atoms.get_forces()).max() < 0.005 * 1.0001
 
 

@@ -220,10 +220,10 @@ def test_optimize_error_in_structure_k_keeps_the_finished_ones(capsys, tmp_path,
     out = tmp_path / "opt.xyz"
     real = cli._optimize_one
 
-    def fails_third(args, calc, opt_cls, p, frame, atoms):
+    def fails_third(args, calc, p, frame, atoms):
         if frame == 2:
             raise ValueError("structure 2 exploded")
-        return real(args, calc, opt_cls, p, frame, atoms)
+        return real(args, calc, p, frame, atoms)
 
     monkeypatch.setattr(cli, "_optimize_one", fails_third)
     status, err = run(capsys, "optimize", path, "-o", out, "-d", "cpu", "--no-progress", "--per-structure")

@@ -333,6 +333,8 @@ def test_joined_batches_give_the_same_results(cluster, mixed):
     assert len(runs[screen_module._TASK_ATOMS, "tasks"]) < len(runs[30, "tasks"]) < 12
     with pytest.raises(screen_module.ScreenError, match="task_atoms must be an integer >= 0, got -1"):
         screen_fn([mixed], client=cluster, task_atoms=-1)
+    with pytest.raises(screen_module.ScreenError, match="hessian must be 'lindh' or 'ase', got 'unit'"):
+        screen_fn([mixed], "optimize", client=cluster, hessian="unit")
 
 
 @pytest.mark.time_limit(240)

@@ -34,7 +34,7 @@ from torch import Tensor
 from .. import core
 
 __all__ = ["Packed", "pack", "pad", "energies_forces", "BFGS", "FIRE", "LBFGS", "OPTIMIZERS", "Relaxed",
-           "optimize", "iter_optimize"]
+           "named_optimizer", "optimize", "iter_optimize"]
 
 
 def _hartree() -> float:
@@ -173,6 +173,10 @@ class _Optimizer:
         for name, dim in self.atom_dims.items():
             state[name] = state[name].narrow(dim, 0, width).contiguous()
 
+    def admit(self, state: tp.Dict[str, Tensor], numbers: Tensor, positions: Tensor) -> None:
+        """The last ``len(numbers)`` rows of ``state`` (from :meth:`new_state`) are
+        molecules just admitted, with atomic numbers (-1: padding) and positions (Å)."""
+
 
 class FIRE(_Optimizer):
     """ASE's FIRE (``ase.optimize.FIRE``, same defaults) for a batch: each molecule
@@ -291,22 +295,39 @@ class LBFGS(_Optimizer):
 
 
 class BFGS(_Optimizer):
-    """ASE's BFGS (``ase.optimize.BFGS``, same defaults: ``alpha`` 70 eV/Å²,
-    ``maxstep`` 0.2 Å) for a batch: each molecule keeps its own (3A, 3A)
-    Hessian, updated as ASE does. ASE steps along ``V (V^T f / |w|)`` from the
-    eigendecomposition ``H = V diag(w) V^T``; that is ``H^-1 f`` when ``H`` is
-    positive definite, which is solved here by a batched Cholesky
-    factorisation (an eigendecomposition only for the molecules whose ``H`` is not).
+    """BFGS for a batch: each molecule keeps its own (3A, 3A) Hessian, updated
+    as ASE's ``ase.optimize.BFGS`` does (``maxstep`` 0.2 Å). ASE steps along
+    ``V (V^T f / |w|)`` from the eigendecomposition ``H = V diag(w) V^T``; that is
+    ``H^-1 f`` when ``H`` is positive definite, which is solved here by a batched
+    Cholesky factorisation (an eigendecomposition only for the molecules whose
+    ``H`` is not).
+
+    ``hessian`` is the starting Hessian: ``"lindh"`` (default), Lindh's model
+    Hessian of the starting geometry plus ``shift`` x identity
+    (:func:`torchani_fast.apps.model_hessian.lindh_hessian`), which takes fewer
+    steps on molecules (docs/batched.md); ``"ase"``, ASE's ``alpha`` x identity
+    (70 eV/Å²): then every step is ASE's BFGS's.
     """
 
     atom_dims: tp.Dict[str, int] = {"r0": 1, "f0": 1}
 
-    def __init__(self, maxstep: float = 0.2, alpha: float = 70.0):
+    def __init__(self, maxstep: float = 0.2, alpha: float = 70.0, hessian: str = "lindh", shift: float = 10.0):
         if not maxstep > 0:
             raise ValueError(f"BFGS: maxstep must be > 0, got {maxstep}")
         if not alpha > 0:
             raise ValueError(f"BFGS: alpha must be > 0, got {alpha}")
-        self.maxstep, self.alpha = maxstep, alpha
+        if hessian not in ("lindh", "ase"):
+            raise ValueError(f"BFGS: hessian must be 'lindh' or 'ase', got {hessian!r}")
+        if not shift > 0:
+            raise ValueError(f"BFGS: shift must be > 0, got {shift}")
+        self.maxstep, self.alpha, self.hessian, self.shift = maxstep, alpha, hessian, shift
+
+    def admit(self, state: tp.Dict[str, Tensor], numbers: Tensor, positions: Tensor) -> None:
+        if self.hessian == "lindh" and numbers.shape[0]:
+            from .model_hessian import lindh_hessian
+
+            h = lindh_hessian(numbers, positions.to(state["H"].dtype), self.shift)
+            state["H"][state["H"].shape[0] - numbers.shape[0]:] = h
 
     def new_state(self, count: int, width: int, like: Tensor) -> tp.Dict[str, Tensor]:
         eye = torch.eye(3 * width, dtype=like.dtype, device=like.device) * self.alpha
@@ -360,6 +381,14 @@ class BFGS(_Optimizer):
 
 #: The optimisers by name (``optimize(..., optimizer="BFGS")``).
 OPTIMIZERS = {"BFGS": BFGS, "LBFGS": LBFGS, "FIRE": FIRE}
+
+
+def named_optimizer(name: str, hessian: str = "lindh") -> "_Optimizer":
+    """The optimiser ``name`` (BFGS, LBFGS or FIRE) with its defaults; BFGS
+    starting from ``hessian`` (``"lindh"`` or ``"ase"``, see :class:`BFGS`)."""
+    if name.upper() not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {name!r}")
+    return BFGS(hessian=hessian) if name.upper() == "BFGS" else OPTIMIZERS[name.upper()]()
 
 
 # ---------------------------------------------------------------- relaxation
@@ -522,6 +551,7 @@ def _relax_group(model, structures, indices, fmax, max_steps, opt, max_atoms, fa
                 width = new_width
             fresh = opt.new_state(take, width, all_coords)
             state = {k: torch.cat([state[k], fresh[k]]) for k in state}
+            opt.admit(state, all_species[new, :width], all_coords[new, :width])
             rows = torch.cat([rows, new])
             x = torch.cat([x, all_coords[new, :width]])
             species = torch.cat([species, all_species[new, :width]])

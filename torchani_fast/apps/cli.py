@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .output import PartialFile, check_writable, terminate_as_interrupt, write_atomic
 from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch, frozen_copy,
-                         optimizer_class, parse_index, plan_batches, progress, read_frames)
+                         ase_optimizer, parse_index, plan_batches, progress, read_frames)
 
 __all__ = ["main", "CLIError"]
 
@@ -51,10 +51,11 @@ below --fmax. All structures are relaxed together (torchani_fast.batched:
 structures that converge leave the batch and waiting ones join, up to
 --max-atoms padded atoms per model call), each taking the steps of ASE's
 optimizer of that name on it alone; --per-structure relaxes one structure at a
-time through ASE. Writes every optimised structure to one extended
-XYZ file (energy in eV and forces in eV/Å, plus the source file, frame, step
-count and convergence flag in each frame's comment line) and prints a summary
-table. Exit status 0 even if some structures did not converge (the table says
+time through ASE. BFGS starts from Lindh's model Hessian of the starting
+geometry on both paths (--hessian ase: ASE's own start). Writes every
+optimised structure to one extended XYZ file (energy in eV and forces in eV/Å,
+plus the source file, frame, step count and convergence flag in each frame's
+comment line) and prints a summary table. Exit status 0 even if some structures did not converge (the table says
 so); 1 on errors.
 """
 
@@ -238,7 +239,6 @@ def _run_optimize(args) -> int:
 
         return optimize_batched.run(args, structures, model, _extxyz, _print_table, CLIError)
     calc = Calculator(model)
-    opt_cls = optimizer_class(args.optimizer)
     rows = []
     # Each optimised structure is appended to OUTPUT.partial as it finishes;
     # renamed to OUTPUT once all are done (an interrupted run keeps the file).
@@ -248,7 +248,7 @@ def _run_optimize(args) -> int:
         try:
             for path, frame, atoms in outer:
                 try:
-                    final, row = _optimize_one(args, calc, opt_cls, path, frame, atoms)
+                    final, row = _optimize_one(args, calc, path, frame, atoms)
                 except (ValueError, RuntimeError) as exc:
                     raise CLIError(f"{path}, frame {frame}: {exc}; the {len(rows)} structure(s) "
                                    f"finished are in {out.partial}") from exc
@@ -265,7 +265,7 @@ def _run_optimize(args) -> int:
     return 0
 
 
-def _optimize_one(args, calc, opt_cls, path, frame, atoms):
+def _optimize_one(args, calc, path, frame, atoms):
     """Optimise one structure: (the final frame with its results, the table row)."""
     import numpy as np
 
@@ -282,7 +282,7 @@ def _optimize_one(args, calc, opt_cls, path, frame, atoms):
         bar.set_postfix(E=f"{atoms.get_potential_energy():.4f} eV", fmax=f"{fmax:.4f}", refresh=False)
         bar.update(1)
 
-    opt = opt_cls(atoms, logfile=None)
+    opt = ase_optimizer(args.optimizer, atoms, args.hessian, logfile=None)
     opt.attach(tick, interval=1)
     start = time.perf_counter()
     try:
@@ -536,7 +536,7 @@ def _run_screen(args) -> int:
                 print(f"{len(results)} structure(s) -> {args.output}", file=sys.stderr)
         else:
             results = screen(args.files, "optimize", fmax=args.fmax, steps=args.steps,
-                             optimizer=args.optimizer, per_structure=args.per_structure,
+                             optimizer=args.optimizer, hessian=args.hessian, per_structure=args.per_structure,
                              output=args.output, **common)
             rows = [(r["file"], r["frame"], r["natoms"], r["steps"], r["converged"],
                      r["energy_start"], r["energy_final"], r["fmax"], r["seconds"])
@@ -596,6 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1000, help="maximum optimiser steps per structure (default 1000)")
     p.add_argument("--optimizer", type=str.upper, choices=["BFGS", "LBFGS", "FIRE"], default="BFGS",
                    help="ASE's optimiser of that name, step for step (default BFGS)")
+    p.add_argument("--hessian", choices=["lindh", "ase"], default="lindh",
+                   help="BFGS's starting Hessian: Lindh's model Hessian (default; fewer steps) "
+                        "or ASE's 70 eV/Å² x identity")
     p.add_argument("--per-structure", action="store_true",
                    help="relax one structure at a time through ASE (default: all together)")
     p.add_argument("--max-atoms", type=int, default=4096,

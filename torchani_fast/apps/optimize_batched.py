@@ -20,7 +20,7 @@ def run(args, structures: list, model, extxyz, print_table, error_cls) -> int:
     import numpy as np
 
     from .output import PartialFile
-    from .batched import iter_optimize
+    from .batched import iter_optimize, named_optimizer
     from .structures import frozen_copy, progress
 
     n = len(structures)
@@ -32,8 +32,9 @@ def run(args, structures: list, model, extxyz, print_table, error_cls) -> int:
     with PartialFile(args.output) as out:
         bar = progress(total=n, desc="structures", unit="structure", disable=args.no_progress or n < 2)
         try:
+            optimizer = named_optimizer(args.optimizer, args.hessian)
             for i, r in iter_optimize(model, [a for _, _, a in structures], fmax=args.fmax,
-                                      steps=args.steps, optimizer=args.optimizer,
+                                      steps=args.steps, optimizer=optimizer,
                                       max_atoms=args.max_atoms):
                 path, frame, atoms = structures[i]
                 final = atoms.copy()
@@ -73,13 +74,14 @@ def task_records(spec: dict, items: list, atoms_list: list, model) -> list:
     import ase.io
     import numpy as np
 
-    from .batched import iter_optimize
+    from .batched import iter_optimize, named_optimizer
     from .structures import frozen_copy
 
     records = []
     start = time.perf_counter()
     for k, r in iter_optimize(model, atoms_list, fmax=spec["fmax"], steps=spec["steps"],
-                              optimizer=spec["optimizer"], max_atoms=spec.get("max_atoms", 4096)):
+                              optimizer=named_optimizer(spec["optimizer"], spec.get("hessian", "ase")),
+                              max_atoms=spec.get("max_atoms", 4096)):
         item, atoms = items[k], atoms_list[k]
         if r.error is not None:
             records.append({"i": item["i"], "error": f"{item['file']}, frame {item['frame']}: {r.error}"})

@@ -26,7 +26,7 @@ from pathlib import Path
 from .output import atomic_file, check_not_input
 from .screen_files import ScreenError, _Memory, _Partial, _entry, _write_energy
 from .structures import (MODEL_NAMES, batch_key, batch_results, check_structure, evaluate_batch, frozen_copy,
-                         optimizer_class, plan_batches, read_frames, select_frames)
+                         ase_optimizer, plan_batches, read_frames, select_frames)
 from .structures import progress as _progress_bar
 
 __all__ = ["screen", "ScreenError", "local_cluster"]
@@ -397,7 +397,7 @@ def _optimize_task(spec: dict, batches: list) -> list:
             atoms = atoms.copy()
             atoms.calc = calc
             e0 = atoms.get_potential_energy()
-            opt = optimizer_class(spec["optimizer"])(atoms, logfile=None)
+            opt = ase_optimizer(spec["optimizer"], atoms, spec.get("hessian", "ase"), logfile=None)
             start = time.perf_counter()
             converged = bool(opt.run(fmax=spec["fmax"], steps=spec["steps"]))
             seconds = time.perf_counter() - start
@@ -609,8 +609,8 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
            scheduler: tp.Optional[str] = None, workers: tp.Optional[int] = None,
            model: str = "ANI2x", dtype: tp.Optional[str] = None, device: tp.Optional[str] = None,
            forces: bool = False, hessians: bool = False, index: str = ":", batch_size: int = 64,
-           fmax: float = 0.01, steps: int = 1000, optimizer: str = "BFGS", per_structure: bool = False,
-           output: tp.Union[str, Path, None] = None, indent: tp.Optional[int] = 4,
+           fmax: float = 0.01, steps: int = 1000, optimizer: str = "BFGS", hessian: str = "lindh",
+           per_structure: bool = False, output: tp.Union[str, Path, None] = None, indent: tp.Optional[int] = 4,
            resume: bool = False, progress: bool = False, return_results: bool = True,
            callback: tp.Optional[tp.Callable[[list], None]] = None,
            timeout: tp.Optional[float] = None, task_atoms: int = _TASK_ATOMS) -> tp.Optional[tp.List[dict]]:
@@ -629,7 +629,7 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
     client : distributed.Client, optional
         A connected client. Otherwise one is made for ``scheduler`` (an address,
         ``tcp://host:8786``) or for a local cluster of ``workers`` processes.
-    model, dtype, device, forces, hessians, index, batch_size, fmax, steps, optimizer
+    model, dtype, device, forces, hessians, index, batch_size, fmax, steps, optimizer, hessian
         As the command's options (``dtype`` defaults to float32 for energy and
         float64 for optimize; ``device`` to cuda if the worker has it, else cpu).
         Each task relaxes its 64 structures as one batch
@@ -700,7 +700,9 @@ def screen(files: tp.Sequence[tp.Union[str, Path]], command: str = "energy", *, 
     if command == "energy":
         spec.update(forces=bool(forces or hessians), hessians=bool(hessians), batch_size=batch_size)
     else:
-        spec.update(fmax=float(fmax), steps=int(steps), optimizer=str(optimizer).upper())
+        if hessian not in ("lindh", "ase"):
+            raise ScreenError(f"hessian must be 'lindh' or 'ase', got {hessian!r}")
+        spec.update(fmax=float(fmax), steps=int(steps), optimizer=str(optimizer).upper(), hessian=hessian)
         # Each task's structures relaxed as one batch (torchani_fast.batched).
         spec.update(batched=not per_structure)
     output = None if output is None else Path(output)

@@ -12,8 +12,8 @@ error message and the same bits either way:
 - :func:`check_structure`: the elements, finite positions and a usable cell;
 - :func:`batch_key` and :func:`plan_batches`: which structures share a padded call;
 - :func:`evaluate_batch` and :func:`batch_results`: one call and its per-structure results;
-- :func:`optimizer_class`, :func:`frozen_copy`, :func:`progress`: the optimisation
-  and reporting pieces.
+- :func:`optimizer_class`, :func:`ase_optimizer`, :func:`frozen_copy`, :func:`progress`:
+  the optimisation and reporting pieces.
 """
 import math
 import sys
@@ -22,7 +22,8 @@ import typing as tp
 from .. import core, grad, registry
 
 __all__ = ["MODEL_NAMES", "CUTOFFS", "elements", "parse_index", "select_frames", "read_frames", "check_structure", "batch_key", "plan_batches",
-           "evaluate_batch", "batch_results", "optimizer_class", "frozen_copy", "progress"]
+           "evaluate_batch", "batch_results", "optimizer_class", "ase_optimizer", "frozen_copy",
+           "progress"]
 
 #: The models' names in lower case -> as spelled by the registry (:mod:`torchani_fast.registry`).
 MODEL_NAMES = {spec.name.lower(): spec.name for spec in registry.MODELS}
@@ -215,6 +216,22 @@ def optimizer_class(name: str):
     import ase.optimize
 
     return {"BFGS": ase.optimize.BFGS, "LBFGS": ase.optimize.LBFGS, "FIRE": ase.optimize.FIRE}[name]
+
+
+def ase_optimizer(name: str, atoms, hessian: str = "lindh", **kwargs):
+    """ASE's optimiser ``name`` on ``atoms``; BFGS starts from Lindh's model Hessian
+    when ``hessian`` is ``"lindh"``, as :class:`torchani_fast.batched.BFGS` does
+    (``"ase"``: ASE's own start, 70 eV/Å² x identity)."""
+    opt = optimizer_class(name)(atoms, **kwargs)
+    if name == "BFGS" and hessian == "lindh":
+        import torch
+
+        from .model_hessian import lindh_hessian
+
+        numbers = torch.as_tensor(atoms.numbers, dtype=torch.long)[None]
+        positions = torch.as_tensor(atoms.positions, dtype=torch.float64)[None]
+        opt.H0 = lindh_hessian(numbers, positions)[0].numpy()
+    return opt
 
 
 def frozen_copy(atoms, results: dict):

@@ -72,9 +72,30 @@ def launches(emu, fn, *args):
     with profile(activities=[ProfilerActivity.CPU]) as prof, Emulated(emu):
         out = fn(*args)
     kernels = emu.launch_count() - start
-    aten = sum(1 for e in prof.events()
-               if not e.cpu_children and e.name.startswith("aten::") and e.name not in NO_KERNEL)
-    return kernels, aten, out
+    return kernels, len(aten_launches(prof.events())), out
+
+
+def aten_launches(events):
+    """The ATen ops among profiler ``events`` that launch a kernel: those that
+    compute (not in NO_KERNEL) and have no such op below them (an op whose
+    children are only views, allocations or no-op ``to`` computes itself:
+    ``clamp``, ``index``; one that calls a computing op launches through it)."""
+    computes = lambda e: e.name.startswith("aten::") and e.name not in NO_KERNEL
+    counted = set()
+
+    def visit(e):  # whether e or an op below it was counted
+        below = False
+        for c in e.cpu_children:
+            below = visit(c) or below
+        if not below and computes(e):
+            counted.add(id(e))
+            return True
+        return below
+
+    roots = [e for e in events if e.cpu_parent is None]
+    for e in roots:
+        visit(e)
+    return [e for e in events if id(e) in counted]
 
 
 @pytest.fixture(scope="module")

@@ -88,3 +88,20 @@ def test_self_energies_changed_in_place_are_seen(system):
     atoms = (species >= 0).sum(1).to(before.dtype)
     torch.testing.assert_close(after - before, atoms, rtol=0, atol=1e-9)
     assert torch.equal(restored, before)
+
+
+@pytest.mark.parametrize("name", ["ANI2xr", "ANImbis"])
+def test_other_compositions_take_autograd(name):
+    # A pair potential (ANI-2xr's repulsion) or charges (ANImbis) besides the
+    # networks: the step composes them as the model does, through autograd.
+    model = torchani_fast.patch(random_model(name, dtype=torch.float64))
+    species, coords = random_molecule(12)
+    species = species.clamp(max=8)  # (H C N O: ANImbis' elements)
+    x = coords + 0.01
+    with _device_paths.on_cpu():
+        step = EnergyForcesStep(model, species, coords)
+        assert not step._chain_rule(x)
+        energies, forces = step(x)
+    want = model.energies_forces(species, x)
+    torch.testing.assert_close(energies, want.energies, rtol=1e-12, atol=0)
+    torch.testing.assert_close(forces, want.forces, rtol=0, atol=1e-12)

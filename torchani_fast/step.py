@@ -45,6 +45,7 @@ import typing as tp
 import numpy as np
 import torch
 from torch import Tensor
+from torchani.potentials import NNPotential
 
 from . import core, ops
 from ._device_paths import host_path
@@ -177,8 +178,10 @@ class EnergyForcesStep:
         self.calls = 0
         self._graph = None
         # The device path's chain rule by hand (_energies_forces_by_hand) serves
-        # models with the ANI potential alone; its self energies, and their version.
-        self._ani_only = not _extra_potentials(model) and nnp._enabled
+        # models with the ANI potential alone (energies: networks + self energies;
+        # not ANImbis' charges); its self energies, and their version.
+        self._ani_only = (isinstance(model, core.ModelCore) and type(nnp) is NNPotential and nnp._enabled
+                          and not _extra_potentials(model))
         self._shift: tp.Optional[Tensor] = None
         self._shift_version: tp.Optional[tp.Tuple[int, bool]] = None
         # The pair count, the static graph buffers and ``calls`` are shared by

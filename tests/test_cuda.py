@@ -650,6 +650,42 @@ def test_energy_forces_step_in_cuda_graph(name, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["molecule46", "water192", "padded_batch"])
+def test_step_chain_rule_by_hand_equals_autograd(name, dtype):
+    # EnergyForcesStep's device path: forces from the networks op's AEV gradient
+    # through the AEV's and pair vectors' backward, no autograd seed or negation
+    # (step._energies_forces_by_hand), the same bits as its autograd path, eager
+    # and replayed; self energies changed in place are seen by the replay.
+    from torchani_fast.step import EnergyForcesStep
+
+    fast = torchani_fast.patch(random_model()).to("cuda", dtype)
+    elem, coords, cell, pbc = to(SYSTEMS[name], "cuda", dtype)
+    species = torch.where(elem >= 0, fast.atomic_numbers.to("cuda")[elem.clamp(min=0)], -1)
+    graphed = EnergyForcesStep(fast, species, coords, cell, pbc)
+    eager = EnergyForcesStep(fast, species, coords, cell, pbc, cuda_graph=False)
+    autograd = EnergyForcesStep(fast, species, coords, cell, pbc, cuda_graph=False)
+    autograd._ani_only = False
+    x = coords + 0.02
+    assert graphed._graph is not None and eager._chain_rule(x) and not autograd._chain_rule(x)
+    e, f = eager(x)
+    for other in (autograd, graphed):
+        e_other, f_other = other(x)
+        assert torch.equal(e, e_other) and torch.equal(f, f_other)
+    saved = fast.energy_shifter.self_energies.clone()
+    with torch.no_grad():
+        fast.energy_shifter.self_energies.add_(1.0)
+    try:
+        e_shifted, f_shifted = graphed(x)
+    finally:
+        with torch.no_grad():
+            fast.energy_shifter.self_energies.copy_(saved)
+    atoms = (species >= 0).sum(1).to(dtype)
+    torch.testing.assert_close(e_shifted - e, atoms, rtol=0, atol=1e-9 if dtype == torch.float64 else 1e-2)
+    assert torch.equal(f_shifted, f)
+
+
+@requires_cuda
 def test_cuda_graph_overflow_is_reported():
     step, coords = _aev_energy_step(max_pairs=100, dtype=torch.float32)
     count = step(coords.clone().requires_grad_(True))[2]

@@ -143,12 +143,14 @@ class ModelCore(_CoreBase):
         in order, then the self energies. ``num_local`` >= 0 (atomic energies
         only): the networks run on the first ``num_local`` atoms of each row alone
         (:meth:`local_atomic_energies`)."""
-        energies = self._zero_energies(coords, elem_idxs.shape[0], atomic, ensemble_values)
+        # The first potential's energies start the sum (TorchANI starts from zeros: the
+        # same values and shape, two launches fewer on a GPU).
+        energies: tp.Optional[Tensor] = None
         lists = self._neighbors_per_potential(neighbors)
         k = 0
         for pot in self.potentials.values():
             if pot._enabled:
-                done = False
+                term: tp.Optional[Tensor] = None
                 if num_local >= 0:
                     # The AEVs of every atom (a local atom's reads its ghost neighbours),
                     # the fused networks of the local atoms alone. (Nested: TorchScript
@@ -156,13 +158,16 @@ class ModelCore(_CoreBase):
                     if hasattr(pot, "neural_networks"):
                         if hasattr(pot.neural_networks, "local_atomic"):
                             aevs = pot.aev_computer.compute_from_neighbors(elem_idxs, coords, lists[k])
-                            energies = energies + pot.neural_networks.local_atomic(elem_idxs, aevs, num_local)
-                            done = True
-                if not done:
-                    result = pot.compute_from_neighbors(elem_idxs, coords, lists[k], charge, atomic,
-                                                        ensemble_values)
-                    energies = energies + result.energies
+                            term = pot.neural_networks.local_atomic(elem_idxs, aevs, num_local)
+                if term is None:
+                    term = pot.compute_from_neighbors(elem_idxs, coords, lists[k], charge, atomic,
+                                                      ensemble_values).energies
+                energies = term if energies is None else energies + term
             k += 1
+        if energies is None:
+            energies = self._zero_energies(coords, elem_idxs.shape[0], atomic, ensemble_values)
+        elif ensemble_values and energies.dim() == (2 if atomic else 1):
+            energies = energies.unsqueeze(0)  # (no member axis from any potential: zeros' shape)
         return self._shifted(energies, elem_idxs, atomic)
 
 

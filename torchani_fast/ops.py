@@ -40,6 +40,7 @@ def _pair_vectors_op(t: Tensor) -> bool:
 __all__ = [
     "neighbor_pairs", "neighbor_pairs_padded", "check_num_pairs", "pair_vectors", "aev", "aev_backward",
     "aev_jvp", "aev_double_backward", "aev_local_derivatives", "ensemble_dense",
+    "aev_with_edges", "aev_backward_edges", "ensemble_dense_jacobian",
 ]
 
 
@@ -251,6 +252,18 @@ def aev(
 def aev_backward(grad_aev: Tensor, *args: tp.Any) -> Tensor:
     """Gradient of ``sum(grad_aev * aev(*args))`` with respect to ``diff_vectors`` (P, 3)."""
     return torch.ops.torchani_fast.aev_backward(grad_aev, *args)
+
+
+def aev_with_edges(*args: tp.Any) -> tp.Tuple[Tensor, Tensor]:
+    """:func:`aev` (not differentiable), and a handle of the half edges it found, which
+    :func:`aev_backward_edges` reuses (a (0,) uint8 tensor; empty where none is kept)."""
+    return torch.ops.torchani_fast.aev_with_edges(*args)
+
+
+def aev_backward_edges(grad_aev: Tensor, edges: Tensor, *args: tp.Any) -> Tensor:
+    """:func:`aev_backward` given the handle that :func:`aev_with_edges` returned for
+    the same ``args`` (the edges are found again if it does not match them)."""
+    return torch.ops.torchani_fast.aev_backward_edges(grad_aev, edges, *args)
 
 
 def aev_jvp(tangent: Tensor, *args: tp.Any) -> Tensor:
@@ -645,6 +658,15 @@ def ensemble_dense(aev: Tensor, elem_idxs: Tensor, weights: tp.List[Tensor], wei
                                                   input_grad)[0]
 
 
+def ensemble_dense_jacobian(aev: Tensor, elem_idxs: Tensor, weights: tp.List[Tensor],
+                            weights_t: tp.List[Tensor], biases: tp.List[Tensor],
+                            activation: int = 0) -> tp.Tuple[Tensor, Tensor]:
+    """:func:`ensemble_dense`'s values (N,) and their gradient d(value)/d(aev) (N, F),
+    both from the forward (for callers that apply the chain rule themselves)."""
+    out = torch.ops.torchani_fast.ensemble_dense(aev, elem_idxs, weights, weights_t, biases, activation, True)
+    return out[0], out[1]
+
+
 def _dense_reference(aev: Tensor, elem_idxs: Tensor, weights: tp.List[Tensor], biases: tp.List[Tensor],
                      activation: int, input_grad: bool) -> tp.Tuple[Tensor, Tensor]:
     """ensemble_dense's outputs in differentiable ATen ops: every element's networks on
@@ -694,6 +716,8 @@ def _ensemble_dense_setup(ctx, inputs, output) -> None:
     aev, elem_idxs, weights, weights_t, biases, activation, input_grad = inputs
     ctx.save_for_backward(aev, elem_idxs, output[1])
     ctx.weights, ctx.biases, ctx.activation, ctx.input_grad = weights, biases, activation, input_grad
+    # The jacobian output is never differentiated: no zeros of its shape for its gradient.
+    ctx.set_materialize_grads(False)
 
 
 def _ensemble_dense_backward(ctx, grad_atomic, grad_jacobian):

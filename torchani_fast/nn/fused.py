@@ -503,34 +503,70 @@ class _FusedBase(_WeightPacks, AtomicContainer):
         """Atomic values (M, A) summed over the active members and divided by their
         number (ensembles) by the ensemble_dense op, or None where that op does not
         serve this call (``CUDA_NETWORKS``; the CPU's own path; see there)."""
-        if CUDA_NETWORKS != "fused" or host_path(aevs) or torch.compiler.is_compiling():
+        if not self.dense_serves(aevs):
             return None
-        if self.output_row >= 0 or len(set(self.num_layers)) != 1 or self.num_layers[0] < 2:
-            return None
-        if self.num_species > 32 or aevs.dtype not in (torch.float32, torch.float64):
-            return None
-        if aevs.dtype != self._probe.dtype or aevs.device != self._probe.device:
-            return None
-        act = self._evaluated_members()
-        if self._weights_epoch() < 0:
-            return None  # training: the weights' gradients come from the ATen path
-        weights, weights_t, biases = self._dense_packs(act)
+        weights, weights_t, biases, divisor = self.dense_weights()
         total = ops.ensemble_dense(aevs.flatten(0, 1), elem_idxs.flatten(), weights, weights_t, biases,
                                    self.activation).view(elem_idxs.shape)
-        if self.is_ensemble:
-            total = total / len(self.active_members_idxs)
+        if divisor != 1:
+            total = total / divisor
         return total
 
     @torch.jit.unused
-    def _dense_packs(self, act: tp.List[int]) -> tp.Tuple[tp.List[Tensor], tp.List[Tensor], tp.List[Tensor]]:
+    def dense_serves(self, aevs: Tensor) -> bool:
+        """Whether the ensemble_dense op evaluates these AEVs (the device path, the
+        fused networks chosen, a network layout the op takes, not training)."""
+        if CUDA_NETWORKS != "fused" or host_path(aevs) or torch.compiler.is_compiling():
+            return False
+        if self.output_row >= 0 or len(set(self.num_layers)) != 1 or self.num_layers[0] < 2:
+            return False
+        if self.num_species > 32 or aevs.dtype not in (torch.float32, torch.float64):
+            return False
+        if aevs.dtype != self._probe.dtype or aevs.device != self._probe.device:
+            return False
+        # training: the weights' gradients come from the ATen path
+        return self._weights_epoch() >= 0
+
+    @torch.jit.unused
+    def dense_weights(self, negate: bool = False) -> tp.Tuple[tp.List[Tensor], tp.List[Tensor], tp.List[Tensor], int]:
+        """ensemble_dense's weights of the evaluated members, and the divisor left to apply.
+
+        The networks' value is the members' sum over the number of active members
+        n (ensembles). When n is a power of two, 1/n is folded into the last
+        layer's weights and bias (exact: the op's outputs, its jacobian included,
+        are the members' sum over n to the bit) and the divisor is 1; otherwise it
+        is n. ``negate``: the last layer negated as well (the value and jacobian
+        come out negated, exactly), for callers that want -dE/dAEV with no extra
+        op. Cached with the other packs; the hidden layers are shared.
+        """
+        act = self._evaluated_members()
+        n = len(self.active_members_idxs) if self.is_ensemble else 1
+        folded = n & (n - 1) == 0
+        packs = self._dense_packs(act, n if folded else 1, negate)
+        return packs[0], packs[1], packs[2], 1 if folded else n
+
+    @torch.jit.unused
+    def _dense_packs(self, act: tp.List[int], divisor: int = 1,
+                     negate: bool = False) -> tp.Tuple[tp.List[Tensor], tp.List[Tensor], tp.List[Tensor]]:
         """ensemble_dense's weights for these members, cached: per layer W (S, k, d_in,
         d_out), W^T (S, k, d_out, d_in) and b (S, k, d_out), zero-padded to the
-        widest element (a zero unit stays zero through CELU and GELU)."""
+        widest element (a zero unit stays zero through CELU and GELU); the last
+        layer's divided by ``divisor`` (a power of two: exact) and, with
+        ``negate``, negated (dense_weights)."""
         cache = self._cache()
-        key = -(1 << 50) - _bitmask(act)
+        key = -(1 << 50) * (2 * divisor + int(negate)) - _bitmask(act)
         packs = cache.get(key)
         if packs is not None and not self._stale(packs[0]):
             return self._split_dense(packs)
+        if divisor != 1 or negate:
+            # The plain packs' hidden layers, shared; the last layer's three tensors scaled.
+            scale = (-1.0 if negate else 1.0) / divisor
+            plain = self._dense_packs(act)
+            with torch.inference_mode(False), torch.no_grad():
+                last = [t * scale for t in (plain[0][-1], plain[1][-1], plain[2][-1])]
+            built = [t for l in range(len(plain[0]) - 1) for t in (plain[0][l], plain[1][l], plain[2][l])] + last
+            cache.put(key, built, self.max_first_layer_packs)
+            return self._split_dense(built)
         with torch.inference_mode(False), torch.no_grad():
             ws = self._member_weights()
             s_num, k, num_layers = self.num_species, len(act), self.num_layers[0]

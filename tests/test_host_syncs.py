@@ -138,15 +138,14 @@ def test_energy_forces_step_has_no_host_sync(system):
 
 
 # Host synchronisations of one model-API call (model.energies_forces) on the device
-# paths, by kind: the bound the GPU path keeps (see the issue: the target is 0).
-# Molecules: the input values and the species (one status read each) and the exact
-# neighbour list's length (the networks' grouping read went with ensemble_dense).
-# Periodic calls add the cell's one status read and, through TorchANI's forward
-# calling compute_from_neighbors, a second input check and the neighbour-list check.
-MODEL_API_SYNCS = {"_local_scalar_dense": 2, "neighbor_pairs": 1}
-PERIODIC_MODEL_API_SYNCS = {"_local_scalar_dense": 5, "neighbor_pairs": 1}
-
-
+# paths, by kind: the bound the GPU path keeps. Molecules and periodic systems alike,
+# one: every value check (coordinates, species, cell) is a status on the device,
+# read back with the exact neighbour list's pair count (NeighborList.checked), the
+# read that sizing the list needs anyway; forward then composes the energy without
+# compute_from_neighbors' second check. (0 would need the list's length known
+# without a read: a fixed capacity, EnergyForcesStep.)
+MODEL_API_SYNCS = {"_local_scalar_dense": 1}
+PERIODIC_MODEL_API_SYNCS = {"_local_scalar_dense": 1}
 def test_model_api_host_syncs(system):
     model, species, coords = system
     with device_paths():

@@ -39,7 +39,7 @@ except ImportError:  # TorchANI 2.2.4 (torchani_fast.legacy): its converter is k
     _TorchaniSpeciesConverter = torch.nn.Module
 
 __all__ = ["InputError", "DTYPE_RULE", "check_inputs", "check_input_values", "check_neighbors", "check_cell_pbc",
-           "check_species_values", "SpeciesConverter"]
+           "check_species_values", "SpeciesConverter", "input_values_status", "cell_status"]
 
 DTYPE_RULE = """\
 The one dtype rule of a patched model (coords, cell and the model's floating dtype):
@@ -87,8 +87,12 @@ def _first(mask: Tensor) -> int:
 
 
 def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-    """Validate ``species`` (M, A) and ``coords`` (M, A, 3) for a model of ``dtype`` on ``device``."""
+                 device: torch.device, values: bool = True) -> None:
+    """Validate ``species`` (M, A) and ``coords`` (M, A, 3) for a model of ``dtype`` on ``device``.
+
+    ``values=False`` checks only what reads no data (types, shapes, dtypes,
+    devices, the charge); :func:`input_values_status` is then the rest, on the device.
+    """
     if not torch.jit.is_scripting():  # (scripted, the signature already demands tensors)
         for name, value in (("species", species), ("coords", coords)):
             if not isinstance(value, torch.Tensor):
@@ -122,7 +126,8 @@ def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtyp
         # op reads them when the graph runs and raises the errors below (ops.py).
         ops.check_input_values(species, coords.detach())
         return
-    check_input_values(species, coords)
+    if values:
+        check_input_values(species, coords)
 
 
 def check_input_values(species: Tensor, coords: Tensor) -> None:
@@ -130,12 +135,8 @@ def check_input_values(species: Tensor, coords: Tensor) -> None:
     if host_path(coords):
         if ops.first_invalid_atom(species, coords.detach()) < 0:
             return  # one pass in C++ found nothing; the checks below word the error otherwise
-    else:
-        # Both checks in one read of the device (the wording below reads again, on error only).
-        status = (species < -1).any().long() + (
-            (~torch.isfinite(coords.detach()).all(-1)) & (species >= 0)).any().long()
-        if int(status) == 0:
-            return
+    elif int(input_values_status(species, coords)) == 0:
+        return  # (both checks in one read of the device; the wording below reads again, on error only)
     bad = species < -1
     if bool(bad.any()):
         i = _first(bad)
@@ -146,6 +147,12 @@ def check_input_values(species: Tensor, coords: Tensor) -> None:
         i = _first(bad)
         row: tp.List[float] = coords.detach().reshape(-1, 3)[i].tolist()
         raise ValueError("coords must be finite, got {} at {}".format(row, _where(i, species.shape[1])))
+
+
+def input_values_status(species: Tensor, coords: Tensor) -> Tensor:
+    """0 (a 0-dim int64 device tensor) where :func:`check_input_values` passes, nonzero
+    where it raises; computed on the device without reading anything back."""
+    return ((species < -1) | ((~torch.isfinite(coords.detach()).all(-1)) & (species >= 0))).any().long()
 
 
 def check_neighbors(elem_idxs: Tensor, neighbors: tp.Tuple[Tensor, Tensor, Tensor]) -> None:
@@ -261,6 +268,20 @@ class SpeciesConverter(_TorchaniSpeciesConverter):
                 return elem_idxs  # else the checks below word the error
         check_species_values(atomic_nums, conv, nop, self.symbols_table)
         return atomic_nums if nop else conv[atomic_nums]
+
+    @torch.jit.export
+    def converted(self, atomic_nums: Tensor, nop: bool = False) -> tp.Tuple[Tensor, Tensor]:
+        """The element indices and, instead of the checks of :meth:`forward`, their
+        status: a 0-dim int64 tensor, 0 where ``forward`` would pass and nonzero where
+        it would raise (then the indices are meaningless: call ``forward`` for the
+        error). Nothing is read back to the host."""
+        conv = self.conv_tensor
+        if nop:  # element indices given directly
+            bad = (atomic_nums < -1) | (atomic_nums >= (conv >= 0).sum())
+            return atomic_nums, bad.any().long()
+        outside = (atomic_nums < -1) | (atomic_nums >= conv.shape[0] - 1)
+        elem_idxs = conv[atomic_nums.clamp(-1, conv.shape[0] - 1)]
+        return elem_idxs, (outside | ((elem_idxs < 0) & (atomic_nums >= 0))).any().long()
 
 
 def _supported(conv: Tensor, symbols: tp.List[str]) -> str:
@@ -420,6 +441,17 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
             "per atom within the {} Å cutoff (real matter has at most ~150; the limit is {}). "
             "Is the cell (or are the coordinates) in nm or bohr instead of Å? cell {}".format(
                 atoms, _num(searched), _num(neighbors), cutoff, _num(max_neighbors), rows))
+
+
+def cell_status(species: Tensor, coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor],
+                cutoff: float) -> Tensor:
+    """:func:`check_periodic_work`'s checks that read no data, raised here; the rest as a
+    status on the device (0-dim int64: 0 where it passes without looking at the atoms'
+    extents, nonzero where it may raise). Nothing is read back to the host."""
+    check_cell_pbc(coords, cell, pbc, values=False)
+    if cell is None or pbc is None:
+        return torch.zeros((), dtype=torch.long, device=coords.device)
+    return _cell_status(species, cell.detach(), pbc, cutoff, 1e5, 3000.0)  # (the limits above)
 
 
 def _cell_status(species: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, max_images: float,

@@ -273,8 +273,8 @@ def test_element_indices_are_checked_on_the_device_path():
 
 
 def test_cell_status_flags_every_cell_the_worded_checks_refuse():
-    """``_cell_status`` (the device path's one read) is 0 only for cells that
-    ``check_periodic_work`` passes; nonzero for all it refuses (nm cells included)."""
+    """``_cell_status`` (folded into the device path's one read) is False only for cells
+    that ``check_periodic_work`` passes; True for all it refuses (nm cells included)."""
     from torchani_fast.validation import _cell_status, check_periodic_work
 
     gen = torch.Generator().manual_seed(0)

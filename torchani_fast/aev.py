@@ -117,32 +117,31 @@ class NeighborList(torch.nn.Module):
         coords: Tensor,
         cell: tp.Optional[Tensor],
         pbc: tp.Optional[Tensor],
-        status: Tensor,
+        bad: Tensor,
     ) -> tp.Tuple[Neighbors, bool]:
         """The exact list, as :meth:`forward` gives it, of inputs whose value
         checks are still on the device, in one host read.
 
-        ``status`` (a 0-dim tensor) is the callers' checks: nonzero where one of
+        ``bad`` (a 0-dim bool tensor) is the callers' checks: True where one of
         them failed. It is read back together with the pair count, the read that
         sizing the exact list needs anyway: the search runs into a list of
         ``pairs_per_atom`` slots per atom (every pair of a molecule, if fewer), is
         cut to the count, and searches again into the exact size if it overflowed
         (no further read; the capacity then grows for the next call). Returns the
-        list and True; or an empty list and False where ``status`` or the search
+        list and True; or an empty list and False where ``bad`` or the search
         flagged the input (non-finite coordinates, a singular or too small cell),
         and the caller runs the checks that word the error. ``cell`` and ``pbc``
         must have passed ``check_cell_pbc(..., values=False)``, whose shapes
-        ``status`` does not cover. Bad input is kept from the search (no atoms,
+        ``bad`` does not cover. Bad input is kept from the search (no atoms,
         a harmless cell) so that the search raises nothing and does no more work
         than for good input.
         """
         search_cutoff = self._search_cutoff(cutoff, elem_idxs, coords, pbc)
-        ok = status == 0
-        species = elem_idxs.masked_fill(~ok, -1)
+        species = torch.where(bad, -1, elem_idxs)
         search_cell: tp.Optional[Tensor] = None
         if cell is not None:
             big = torch.eye(3, dtype=cell.dtype, device=cell.device) * (2.0 * search_cutoff + 1.0)
-            search_cell = torch.where(ok, cell.detach(), big)
+            search_cell = torch.where(bad, big, cell.detach())
         use_cells = self.strategy == "cell_list" or (
             self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
         )
@@ -152,7 +151,7 @@ class NeighborList(torch.nn.Module):
             capacity = min(capacity, molecules * (atoms * (atoms - 1) // 2))
         pairs, images, count = ops.neighbor_pairs_padded(
             species, coords.detach(), search_cell, pbc, search_cutoff, use_cells, capacity)
-        num_pairs = int(count.masked_fill(~ok, -1))  # the one read
+        num_pairs = int(torch.where(bad, -1, count))  # the one read
         if num_pairs < 0:
             return Neighbors(pairs[:, :0], coords.new_zeros(0), coords.new_zeros((0, 3))), False
         if num_pairs > capacity:

@@ -8,8 +8,11 @@ summed in their order, plus the self energies. TorchScript compiles it into the
 patched class (it is a mixin, :mod:`torchani_fast.mixins`), and every entry point
 reaches it:
 
-- the model's ``forward``, ``atomic_energies``, ``energies_qbcs``... (TorchANI's
-  methods, which call ``compute_from_neighbors``, overridden here);
+- the model's ``forward`` (overridden here: TorchANI's checks, conversion and
+  search, with the value checks folded into one host read on a GPU, then the
+  composition without a second check), hence ``atomic_energies``,
+  ``energies_qbcs``... (TorchANI's methods, which call it), and
+  ``compute_from_neighbors`` (overridden too: checks a given list, then composes);
 - :func:`energies_forces` (``model.energies_forces``, the command line,
   screening), :func:`energies_forces_virial` (ASE stress by strain),
   :func:`local_energies` (atoms among ghosts: LAMMPS), and the Hessians of
@@ -82,10 +85,12 @@ class _CoreBase:
         if isinstance(coords, Tensor) and not host_path(coords) and not torch.compiler.is_compiling() \
                 and self.cutoff != float("inf"):  # (not a tensor: the checks below name it)
             self._check_inputs(species, coords, charge, False)  # (reads no data)
-            elem_idxs, status = self.species_converter.converted(species, not self.periodic_table_index)
-            status = status + input_values_status(species, coords) + cell_status(
-                species, coords, cell, pbc, float(self.cutoff))
-            found, ok = self.neighborlist.checked(self.cutoff, elem_idxs, coords, cell, pbc, status)
+            elem_idxs, bad = self.species_converter.converted(species, not self.periodic_table_index)
+            bad = bad | input_values_status(species, coords)
+            bad_cell = cell_status(species, coords, cell, pbc, float(self.cutoff))
+            if bad_cell is not None:
+                bad = bad | bad_cell
+            found, ok = self.neighborlist.checked(self.cutoff, elem_idxs, coords, cell, pbc, bad)
             if ok:
                 return elem_idxs, _within_molecules(found, coords, molecule_idxs)
         self._check_inputs(species, coords, charge)
@@ -142,6 +147,8 @@ class ModelCore(_CoreBase):
 
     ``compute_from_neighbors`` is TorchANI's (the same in 2.7-2.9): the inputs
     and the neighbour list checked, then :meth:`_energies_from_neighbors`.
+    ``forward`` is TorchANI's too, its inputs checked and its neighbours found
+    by :meth:`_checked_neighbors` (one host read on a GPU), then composed.
     """
 
     @torch.jit.export

@@ -135,7 +135,7 @@ def check_input_values(species: Tensor, coords: Tensor) -> None:
     if host_path(coords):
         if ops.first_invalid_atom(species, coords.detach()) < 0:
             return  # one pass in C++ found nothing; the checks below word the error otherwise
-    elif int(input_values_status(species, coords)) == 0:
+    elif not bool(input_values_status(species, coords)):
         return  # (both checks in one read of the device; the wording below reads again, on error only)
     bad = species < -1
     if bool(bad.any()):
@@ -150,9 +150,9 @@ def check_input_values(species: Tensor, coords: Tensor) -> None:
 
 
 def input_values_status(species: Tensor, coords: Tensor) -> Tensor:
-    """0 (a 0-dim int64 device tensor) where :func:`check_input_values` passes, nonzero
+    """False (a 0-dim bool device tensor) where :func:`check_input_values` passes, True
     where it raises; computed on the device without reading anything back."""
-    return ((species < -1) | ((~torch.isfinite(coords.detach()).all(-1)) & (species >= 0))).any().long()
+    return ((species < -1) | ((~torch.isfinite(coords.detach()).all(-1)) & (species >= 0))).any()
 
 
 def check_neighbors(elem_idxs: Tensor, neighbors: tp.Tuple[Tensor, Tensor, Tensor]) -> None:
@@ -272,16 +272,16 @@ class SpeciesConverter(_TorchaniSpeciesConverter):
     @torch.jit.export
     def converted(self, atomic_nums: Tensor, nop: bool = False) -> tp.Tuple[Tensor, Tensor]:
         """The element indices and, instead of the checks of :meth:`forward`, their
-        status: a 0-dim int64 tensor, 0 where ``forward`` would pass and nonzero where
+        status: a 0-dim bool tensor, False where ``forward`` would pass and True where
         it would raise (then the indices are meaningless: call ``forward`` for the
         error). Nothing is read back to the host."""
         conv = self.conv_tensor
         if nop:  # element indices given directly
             bad = (atomic_nums < -1) | (atomic_nums >= (conv >= 0).sum())
-            return atomic_nums, bad.any().long()
+            return atomic_nums, bad.any()
         outside = (atomic_nums < -1) | (atomic_nums >= conv.shape[0] - 1)
         elem_idxs = conv[atomic_nums.clamp(-1, conv.shape[0] - 1)]
-        return elem_idxs, (outside | ((elem_idxs < 0) & (atomic_nums >= 0))).any().long()
+        return elem_idxs, (outside | ((elem_idxs < 0) & (atomic_nums >= 0))).any()
 
 
 def _supported(conv: Tensor, symbols: tp.List[str]) -> str:
@@ -382,8 +382,8 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
         # Traced: the checking op runs this function on the values when the graph runs.
         ops.check_cell_values(species, coords.detach(), cell.detach(), pbc, cutoff)
         return
-    if not host_path(cell) and int(_cell_status(species, cell.detach(), pbc, cutoff, max_images,
-                                                max_neighbors)) == 0:
+    if not host_path(cell) and not bool(_cell_status(species, cell.detach(), pbc, cutoff, max_images,
+                                                     max_neighbors)):
         return  # (one read of the device: the checks below word an error, or find nothing)
     # One C++ op says whether the cell is finite and non-singular (most calls);
     # otherwise the element-wise checks below word the error.
@@ -444,20 +444,21 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
 
 
 def cell_status(species: Tensor, coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor],
-                cutoff: float) -> Tensor:
+                cutoff: float) -> tp.Optional[Tensor]:
     """:func:`check_periodic_work`'s checks that read no data, raised here; the rest as a
-    status on the device (0-dim int64: 0 where it passes without looking at the atoms'
-    extents, nonzero where it may raise). Nothing is read back to the host."""
+    status on the device (0-dim bool: False where it passes without looking at the
+    atoms' extents, True where it may raise), None without a cell. Nothing is read
+    back to the host."""
     check_cell_pbc(coords, cell, pbc, values=False)
     if cell is None or pbc is None:
-        return torch.zeros((), dtype=torch.long, device=coords.device)
+        return None
     return _cell_status(species, cell.detach(), pbc, cutoff, 1e5, 3000.0)  # (the limits above)
 
 
 def _cell_status(species: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, max_images: float,
                  max_neighbors: float) -> Tensor:
-    """0 (a 0-dim device tensor) where :func:`check_periodic_work` would pass ``cell``
-    without looking at the atoms' extents; nonzero where it may raise: a non-finite
+    """False (a 0-dim bool device tensor) where :func:`check_periodic_work` would pass ``cell``
+    without looking at the atoms' extents; True where it may raise: a non-finite
     cell, a zero periodic lattice vector, a singular cell, too many images, or
     more neighbours per atom than ``max_neighbors`` by the bound that counts every
     slot as an atom. Computed on the device: reading it is the check's one sync."""
@@ -476,7 +477,7 @@ def _cell_status(species: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, max_
     bad = bad | (pbc & ~(lengths > 0.0)).any()
     bad = bad | (any_periodic & ~(volume > 1e-8 * lengths.prod()))
     bad = bad | (any_periodic & ~(images <= max_images)) | (any_periodic & ~(neighbors <= max_neighbors))
-    return bad.long()
+    return bad
 
 
 def _check_cell_values(coords: Tensor, cell: Tensor, pbc: Tensor) -> None:

@@ -64,6 +64,11 @@ class NeighborList(torch.nn.Module):
         self.pairs_per_atom = PAIRS_PER_ATOM
         self.set_strategy(strategy)
 
+    def __setstate__(self, state):
+        # Lists pickled by an older torchani_fast get the attributes added since.
+        state.setdefault("pairs_per_atom", PAIRS_PER_ATOM)
+        super().__setstate__(state)
+
     @torch.jit.export
     def set_strategy(self, strategy: str) -> None:
         if strategy not in ["auto", "all_pairs", "cell_list"]:

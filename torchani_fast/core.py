@@ -82,17 +82,21 @@ class _CoreBase:
         neighbour list reads back with its pair count: one host read per call. If
         that status says something is wrong, the checks below run and word the error.
         """
-        if isinstance(coords, Tensor) and not host_path(coords) and not torch.compiler.is_compiling() \
-                and self.cutoff != float("inf"):  # (not a tensor: the checks below name it)
-            self._check_inputs(species, coords, charge, False)  # (reads no data)
-            elem_idxs, bad = self.species_converter.converted(species, not self.periodic_table_index)
-            bad = bad | input_values_status(species, coords)
-            bad_cell = cell_status(species, coords, cell, pbc, float(self.cutoff))
-            if bad_cell is not None:
-                bad = bad | bad_cell
-            found, ok = self.neighborlist.checked(self.cutoff, elem_idxs, coords, cell, pbc, bad)
-            if ok:
-                return elem_idxs, _within_molecules(found, coords, molecule_idxs)
+        # (Nested: TorchScript resolves a hasattr that is a whole condition when it
+        # compiles; a model whose parts are TorchANI's takes the checks below.)
+        if hasattr(self.species_converter, "converted"):
+            if hasattr(self.neighborlist, "checked"):
+                if isinstance(coords, Tensor) and not host_path(coords) and not torch.compiler.is_compiling() \
+                        and self.cutoff != float("inf"):  # (not a tensor: the checks below name it)
+                    self._check_inputs(species, coords, charge, False)  # (reads no data)
+                    elem_idxs, bad = self.species_converter.converted(species, not self.periodic_table_index)
+                    bad = bad | input_values_status(species, coords)
+                    bad_cell = cell_status(species, coords, cell, pbc, float(self.cutoff))
+                    if bad_cell is not None:
+                        bad = bad | bad_cell
+                    found, ok = self.neighborlist.checked(self.cutoff, elem_idxs, coords, cell, pbc, bad)
+                    if ok:
+                        return elem_idxs, _within_molecules(found, coords, molecule_idxs)
         self._check_inputs(species, coords, charge)
         elem_idxs = self.species_converter(species, nop=not self.periodic_table_index)
         found = self.neighborlist(self.cutoff, elem_idxs, coords, cell, pbc)

@@ -54,6 +54,13 @@ def test_a_pickled_patched_model_loads_and_matches_torchani():
     e64, _ = double.energies_forces(species, coords.double())
     e64_ref, _ = energy_forces(_stock(model).double(), species, coords.double())
     torch.testing.assert_close(e64, e64_ref, rtol=1e-10, atol=0)
+    # On a GPU its calls take the device path, whose neighbour list (0.1.0's object)
+    # keeps a capacity that 0.1.0 did not have.
+    from torchani_fast import _device_paths
+
+    with _device_paths.on_cpu():
+        e_dev, f_dev = double.energies_forces(species, coords.double())
+    torch.testing.assert_close(e_dev, e64, rtol=1e-12, atol=0)
 
 
 def test_a_scripted_0_1_0_model_loads_and_matches_torchani():

@@ -111,3 +111,22 @@ def test_the_step_and_the_model_share_one_composition():
     e_ase, f_ase, _ = core.energies_forces_virial(fast, species, elem, coords.clone(), None, None)
     assert torch.equal(e_ase, e_model) and torch.equal(f_ase, f_model[0])
 
+
+
+@pytest.mark.filterwarnings("ignore:molecule_idxs is experimental")
+def test_forward_keeps_torchanis_molecule_idxs():
+    """The patched forward (which is not TorchANI's) keeps TorchANI's experimental
+    ``_molecule_idxs``: only pairs within a molecule count, on the CPU and the device paths."""
+    from torchani_fast import _device_paths
+
+    ref, fast = pair("ANI2x")
+    species, coords = molecule(ref, 20)
+    idxs = torch.arange(20) // 7  # three "molecules" of the cluster
+    want = ref((species, coords), _molecule_idxs=idxs).energies
+    assert not torch.allclose(want, ref((species, coords)).energies)  # (the pairs between them count)
+    torch.testing.assert_close(fast((species, coords), _molecule_idxs=idxs).energies, want, rtol=1e-10, atol=0)
+    with _device_paths.on_cpu():
+        got = fast((species, coords), _molecule_idxs=idxs).energies
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    with pytest.raises(ValueError, match=r"_molecule_idxs must have shape \(20,\), one index per atom, got \[19\]"):
+        fast((species, coords), _molecule_idxs=idxs[:19])

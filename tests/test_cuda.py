@@ -852,3 +852,32 @@ def test_networks_op_cuda_no_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert grad.abs().sum() > 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("periodic", [False, True], ids=["molecule", "periodic"])
+def test_model_api_synchronises_once(periodic):
+    """A model-API call reads the device once: the checks' status with the pair count
+    (tests/test_host_syncs.py counts the same on the CPU), and equals the CPU path."""
+    import warnings
+
+    model = torchani_fast.patch(random_model())  # (float64)
+    species, coords, cell, pbc = water_box(10)
+    if not periodic:
+        cell = pbc = None
+    want = model.energies_forces(species, coords, cell, pbc)
+    model = model.to("cuda")
+    args = [None if t is None else t.cuda() for t in (species, coords, cell, pbc)]
+    model.energies_forces(*args)  # (packs the weights)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            got = model.energies_forces(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs
+    torch.testing.assert_close(got.energies.cpu(), want.energies, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got.forces.cpu(), want.forces, rtol=1e-12, atol=1e-12)

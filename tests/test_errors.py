@@ -1,4 +1,7 @@
-"""Bad input raises an error naming the argument and the value, eager and scripted."""
+"""Bad input raises an error naming the argument and the value, eager and scripted,
+on the CPU path and on the GPU code paths (forced on CPU tensors)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -83,8 +86,11 @@ def test_chlorine_is_supported_and_neon_is_named(models):
         fast((s2, x))
 
 
-# Edge inputs that must work and equal TorchANI.
-def test_edge_inputs_equal_torchani():
+# Edge inputs that must work and equal TorchANI (on the device paths too).
+@pytest.mark.parametrize("device_paths", [False, True], ids=["host", "device-paths"])
+def test_edge_inputs_equal_torchani(device_paths):
+    from torchani_fast import _device_paths
+
     ref, fast = model_pair("ANI2x", torch.float64)
     cases = []
     cases.append((torch.tensor([[6]]), torch.zeros(1, 1, 3, dtype=torch.float64)))  # a single atom
@@ -99,7 +105,8 @@ def test_edge_inputs_equal_torchani():
     cases.append((species, coords))
     for s, x in cases:
         e_ref, f_ref = energy_forces(ref, s, x)
-        e, f = energy_forces(fast, s, x)
+        with _device_paths.on_cpu() if device_paths else contextlib.nullcontext():
+            e, f = energy_forces(fast, s, x)
         torch.testing.assert_close(e, e_ref, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-9)
 
@@ -134,7 +141,10 @@ def test_one_pass_checks_find_the_first_bad_atom(models, int_dtype):
             assert torch.equal(converted, elem)
 
 
-def test_padding_may_carry_nan_coordinates():
+@pytest.mark.parametrize("device_paths", [False, True], ids=["host", "device-paths"])
+def test_padding_may_carry_nan_coordinates(device_paths):
+    from torchani_fast import _device_paths
+
     ref, fast = model_pair("ANI2x", torch.float64)
     species, coords = water(torch.float64)
     species = torch.cat([species, torch.tensor([[-1]])], 1)
@@ -142,7 +152,8 @@ def test_padding_may_carry_nan_coordinates():
     nan_padding = coords.clone()
     nan_padding[0, 3] = float("nan")
     e_ref, f_ref = energy_forces(ref, species, coords)
-    e, f = energy_forces(fast, species, nan_padding)
+    with _device_paths.on_cpu() if device_paths else contextlib.nullcontext():
+        e, f = energy_forces(fast, species, nan_padding)
     torch.testing.assert_close(e, e_ref, rtol=1e-10, atol=0)
     torch.testing.assert_close(f[:, :3], f_ref[:, :3], rtol=0, atol=1e-9)
 
@@ -214,12 +225,10 @@ def test_cxx_op_messages_carry_their_numbers():
         ops.neighbor_pairs(species, coords, cell, torch.ones(3, dtype=torch.bool), 5.2, False)
 
 
-CELL_CASES = ("singular cell", "nan cell", "cell shape", "pbc without cell", "cell without pbc", "cell dtype")
-
-
-@pytest.mark.parametrize("case", CELL_CASES)
-def test_bad_cell_is_named_on_the_device_path(models, case):
-    """The GPU path reads one status of the cell's checks, then words the error as the CPU does."""
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_named_on_the_device_path(models, case):
+    """The GPU path folds the value checks into one status, read with the pair count;
+    a bad input still raises the CPU's message (the argument, the value, the atom)."""
     from torchani_fast import _device_paths
 
     _, fast, _ = models
@@ -227,11 +236,45 @@ def test_bad_cell_is_named_on_the_device_path(models, case):
     species, coords, kw = make(*water())
     with _device_paths.on_cpu(), pytest.raises(ERRORS, match=pattern):
         fast((species, coords), **kw)
+    if "dtype" not in case:  # (energies_forces converts coords and cell to the model's dtype)
+        with _device_paths.on_cpu(), pytest.raises(ERRORS, match=pattern):
+            fast.energies_forces(species, coords, kw.get("cell"), kw.get("pbc"))
+
+
+def test_other_entry_points_validate_on_the_device_path(models):
+    from torchani_fast import _device_paths
+
+    _, fast, _ = models
+    species, coords = water()
+    with _device_paths.on_cpu():
+        with pytest.raises(ERRORS, match="unsupported element Fe"):
+            fast.atomic_energies((torch.tensor([[26, 1, 1]]), coords))
+        with pytest.raises(ERRORS, match="coords must be finite"):
+            fast.energies_qbcs((species, coords * float("nan")))
+
+
+def test_element_indices_are_checked_on_the_device_path():
+    """periodic_table_index=False: element indices outside [-1, elements) are named
+    on the device path too, and valid ones give the CPU path's energies."""
+    from torchani_fast import _device_paths
+
+    _, fast = model_pair("ANI2x", torch.float64)
+    fast.periodic_table_index = False
+    species, coords = water(torch.float64)
+    elem = torch.tensor([[3, 0, 0]])
+    want = fast((elem, coords)).energies
+    for bad, pattern in ((torch.tensor([[3, 0, 7]]), r"element indices in \[-1, 7\).*got 7 at molecule 0, atom 2"),
+                         (torch.tensor([[3, -2, 0]]), r"species must be >= -1 .*got -2 at molecule 0, atom 1")):
+        with _device_paths.on_cpu(), pytest.raises(ValueError, match=pattern):
+            fast((bad, coords))
+    with _device_paths.on_cpu():
+        got = fast((elem, coords)).energies
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
 
 
 def test_cell_status_flags_every_cell_the_worded_checks_refuse():
-    """``_cell_status`` (the device path's one read) is 0 only for cells that
-    ``check_periodic_work`` passes; nonzero for all it refuses (nm cells included)."""
+    """``_cell_status`` (folded into the device path's one read) is False only for cells
+    that ``check_periodic_work`` passes; True for all it refuses (nm cells included)."""
     from torchani_fast.validation import _cell_status, check_periodic_work
 
     gen = torch.Generator().manual_seed(0)

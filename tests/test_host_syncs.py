@@ -138,15 +138,14 @@ def test_energy_forces_step_has_no_host_sync(system):
 
 
 # Host synchronisations of one model-API call (model.energies_forces) on the device
-# paths, by kind: the bound the GPU path keeps (see the issue: the target is 0).
-# Molecules: the input values and the species (one status read each) and the exact
-# neighbour list's length (the networks' grouping read went with ensemble_dense).
-# Periodic calls add the cell's one status read and, through TorchANI's forward
-# calling compute_from_neighbors, a second input check and the neighbour-list check.
-MODEL_API_SYNCS = {"_local_scalar_dense": 2, "neighbor_pairs": 1}
-PERIODIC_MODEL_API_SYNCS = {"_local_scalar_dense": 5, "neighbor_pairs": 1}
-
-
+# paths, by kind: the bound the GPU path keeps. Molecules and periodic systems alike,
+# one: every value check (coordinates, species, cell) is a status on the device,
+# read back with the exact neighbour list's pair count (NeighborList.checked), the
+# read that sizing the list needs anyway; forward then composes the energy without
+# compute_from_neighbors' second check. (0 would need the list's length known
+# without a read: a fixed capacity, EnergyForcesStep.)
+MODEL_API_SYNCS = {"_local_scalar_dense": 1}
+PERIODIC_MODEL_API_SYNCS = {"_local_scalar_dense": 1}
 def test_model_api_host_syncs(system):
     model, species, coords = system
     with device_paths():
@@ -171,6 +170,53 @@ def test_periodic_model_api_host_syncs(system):
     torch.testing.assert_close(got.energies, want.energies, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got.forces, want.forces, rtol=1e-12, atol=1e-12)
     assert mode.counts == PERIODIC_MODEL_API_SYNCS
+
+
+def test_forward_and_atomic_energies_read_the_device_once(system):
+    """TorchANI's entry points (forward, atomic_energies) share the model API's one read."""
+    model, species, coords = system
+    with device_paths():
+        mode, got = count(model, (species, coords))
+        assert mode.counts == MODEL_API_SYNCS, mode.counts
+        mode, atomic = count(model.atomic_energies, (species, coords))
+        assert mode.counts == MODEL_API_SYNCS, mode.counts
+    torch.testing.assert_close(got.energies, model((species, coords)).energies, rtol=1e-12, atol=0)
+    torch.testing.assert_close(atomic.energies, model.atomic_energies((species, coords)).energies,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_overflowing_capacity_searches_again_without_a_second_read():
+    """A list whose capacity is too small is searched again into its exact size, known
+    from the one read (no second read), and the capacity grows for the next call."""
+    from torchani_fast.testing import water_box
+
+    model = torchani_fast.patch(random_model("ANI2x", dtype=torch.float64))
+    numbers, coords, cell, pbc = water_box(20)
+    want = model.energies_forces(numbers, coords, cell, pbc)
+    nl = model.neighborlist
+    nl.pairs_per_atom = 2  # (a water box has ~30 half pairs per atom within 5.2 Å)
+    with device_paths():
+        mode, got = count(model.energies_forces, numbers, coords, cell, pbc)
+        assert mode.counts == PERIODIC_MODEL_API_SYNCS, mode.counts
+        pairs = model.neighborlist(model.cutoff, model.species_converter(numbers), coords, cell, pbc).indices.shape[1]
+    torch.testing.assert_close(got.energies, want.energies, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got.forces, want.forces, rtol=1e-12, atol=1e-12)
+    assert nl.pairs_per_atom * numbers.numel() >= pairs > 2 * numbers.numel()
+
+
+def test_batch_with_padding_reads_the_device_once(system):
+    """A batch of molecules with padding rows and atoms: one read, the CPU path's results."""
+    model, species, coords = system
+    batch_species = torch.cat([species, species]).clone()
+    batch_species[1, 30:] = -1
+    batch_coords = torch.cat([coords, coords + 0.05])
+    batch_coords[1, 40] = float("nan")  # (padding may carry any coordinates)
+    with device_paths():
+        mode, got = count(model.energies_forces, batch_species, batch_coords)
+    assert mode.counts == MODEL_API_SYNCS, mode.counts
+    want = model.energies_forces(batch_species, batch_coords)
+    torch.testing.assert_close(got.energies, want.energies, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got.forces, want.forces, rtol=1e-12, atol=1e-12)
 
 
 # The one read a host program makes anyway: the results, copied to the host.

@@ -77,3 +77,26 @@ def test_saved_and_copied_scripted_models_carry_no_cache(tmp_path):
         torch.testing.assert_close(e, e_ref, rtol=1e-6, atol=0)
         torch.testing.assert_close(f, f_ref, rtol=0, atol=5e-5)
     assert len(cache(other)) > 0 and len(cache(scripted)) > 0
+
+
+def test_scripted_checked_search_runs_and_grows_its_capacity():
+    """A scripted model on a GPU searches with NeighborList.checked (scripted code
+    ignores the CPU switch, so it is called directly here): the exact list of the
+    model's own search, searched again when it overflows, the capacity grown; a
+    bad status gives no list."""
+    from torchani_fast.testing import random_model, water_box
+    import torchani_fast
+
+    model = torchani_fast.patch(random_model("ANI2x", dtype=torch.float64))
+    numbers, coords, cell, pbc = water_box(8)
+    elem = model.species_converter(numbers)
+    want = model.neighborlist(model.cutoff, elem, coords, cell, pbc)
+    scripted = torch.jit.script(model)
+    scripted.neighborlist.pairs_per_atom = 2
+    good = torch.tensor(False)
+    found, ok = scripted.neighborlist.checked(model.cutoff, elem, coords, cell, pbc, good)
+    assert ok and scripted.neighborlist.pairs_per_atom > 2
+    assert torch.equal(found.indices, want.indices)
+    torch.testing.assert_close(found.diff_vectors, want.diff_vectors, rtol=0, atol=0)
+    found, ok = scripted.neighborlist.checked(model.cutoff, elem, coords, cell, pbc, ~good)
+    assert not ok and found.indices.shape == (2, 0)

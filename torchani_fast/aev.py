@@ -26,6 +26,8 @@ __all__ = ["AEVComputer", "NeighborList"]
 
 # Below this many atoms per molecule testing every pair is cheaper than binning.
 CELL_LIST_MIN_ATOMS = 256
+# The first capacity per atom of NeighborList.checked's search.
+PAIRS_PER_ATOM = 64
 
 
 class NeighborList(torch.nn.Module):
@@ -51,12 +53,21 @@ class NeighborList(torch.nn.Module):
 
     strategy: str
     cell_list_min_atoms: Final[int]
+    pairs_per_atom: int
 
     def __init__(self, strategy: str = "auto"):
         super().__init__()
         self.strategy = "auto"
         self.cell_list_min_atoms = CELL_LIST_MIN_ATOMS
+        # The capacity per atom of the list that :meth:`checked` searches into
+        # (about twice the half list of liquid water at 5.2 Å; grows on overflow).
+        self.pairs_per_atom = PAIRS_PER_ATOM
         self.set_strategy(strategy)
+
+    def __setstate__(self, state):
+        # Lists pickled by an older torchani_fast get the attributes added since.
+        state.setdefault("pairs_per_atom", PAIRS_PER_ATOM)
+        super().__setstate__(state)
 
     @torch.jit.export
     def set_strategy(self, strategy: str) -> None:
@@ -102,6 +113,60 @@ class NeighborList(torch.nn.Module):
                                         elem_idxs, coords, cell, pbc, max_pairs)
         assert count is not None
         return neighbors, count
+
+    @torch.jit.export
+    def checked(
+        self,
+        cutoff: float,
+        elem_idxs: Tensor,
+        coords: Tensor,
+        cell: tp.Optional[Tensor],
+        pbc: tp.Optional[Tensor],
+        bad: Tensor,
+    ) -> tp.Tuple[Neighbors, bool]:
+        """The exact list, as :meth:`forward` gives it, of inputs whose value
+        checks are still on the device, in one host read.
+
+        ``bad`` (a 0-dim bool tensor) is the callers' checks: True where one of
+        them failed. It is read back together with the pair count, the read that
+        sizing the exact list needs anyway: the search runs into a list of
+        ``pairs_per_atom`` slots per atom (every pair of a molecule, if fewer), is
+        cut to the count, and searches again into the exact size if it overflowed
+        (no further read; the capacity then grows for the next call). Returns the
+        list and True; or an empty list and False where ``bad`` or the search
+        flagged the input (non-finite coordinates, a singular or too small cell),
+        and the caller runs the checks that word the error. ``cell`` and ``pbc``
+        must have passed ``check_cell_pbc(..., values=False)``, whose shapes
+        ``bad`` does not cover. Bad input is kept from the search (no atoms,
+        a harmless cell) so that the search raises nothing and does no more work
+        than for good input.
+        """
+        search_cutoff = self._search_cutoff(cutoff, elem_idxs, coords, pbc)
+        species = torch.where(bad, -1, elem_idxs)
+        search_cell: tp.Optional[Tensor] = None
+        if cell is not None:
+            big = torch.eye(3, dtype=cell.dtype, device=cell.device) * (2.0 * search_cutoff + 1.0)
+            search_cell = torch.where(bad, big, cell.detach())
+        use_cells = self.strategy == "cell_list" or (
+            self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
+        )
+        molecules, atoms = elem_idxs.shape[0], elem_idxs.shape[1]
+        capacity = molecules * atoms * self.pairs_per_atom
+        if pbc is None:  # (no periodic images: at most every pair of each molecule)
+            capacity = min(capacity, molecules * (atoms * (atoms - 1) // 2))
+        pairs, images, count = ops.neighbor_pairs_padded(
+            species, coords.detach(), search_cell, pbc, search_cutoff, use_cells, capacity)
+        num_pairs = int(torch.where(bad, -1, count))  # the one read
+        if num_pairs < 0:
+            return Neighbors(pairs[:, :0], coords.new_zeros(0), coords.new_zeros((0, 3))), False
+        if num_pairs > capacity:
+            self.pairs_per_atom = max(self.pairs_per_atom, (num_pairs + num_pairs // 4) // (molecules * atoms) + 1)
+            pairs, images, count = ops.neighbor_pairs_padded(
+                species, coords.detach(), search_cell, pbc, search_cutoff, use_cells, num_pairs)
+        pairs = pairs[:, :num_pairs].contiguous()
+        diff, distances = ops.pair_vectors(coords.reshape(-1, 3), pairs,
+                                           None if cell is None else images[:num_pairs], cell)
+        return Neighbors(pairs, distances, diff), True
 
     def _search_cutoff(self, cutoff: float, elem_idxs: Tensor, coords: Tensor,
                        pbc: tp.Optional[Tensor]) -> float:

@@ -8,8 +8,11 @@ summed in their order, plus the self energies. TorchScript compiles it into the
 patched class (it is a mixin, :mod:`torchani_fast.mixins`), and every entry point
 reaches it:
 
-- the model's ``forward``, ``atomic_energies``, ``energies_qbcs``... (TorchANI's
-  methods, which call ``compute_from_neighbors``, overridden here);
+- the model's ``forward`` (overridden here: TorchANI's checks, conversion and
+  search, with the value checks folded into one host read on a GPU, then the
+  composition without a second check), hence ``atomic_energies``,
+  ``energies_qbcs``... (TorchANI's methods, which call it), and
+  ``compute_from_neighbors`` (overridden too: checks a given list, then composes);
 - :func:`energies_forces` (``model.energies_forces``, the command line,
   screening), :func:`energies_forces_virial` (ASE stress by strain),
   :func:`local_energies` (atoms among ghosts: LAMMPS), and the Hessians of
@@ -30,10 +33,11 @@ import typing as tp
 import torch
 from torch import Tensor
 from torchani.neighbors import Neighbors, discard_outside_cutoff
-from torchani.tuples import EnergiesScalars
+from torchani.tuples import EnergiesScalars, SpeciesEnergies, SpeciesEnergiesAtomicCharges
 
+from ._device_paths import host_path
 from .potentials import runs_op
-from .validation import check_neighbors
+from .validation import cell_status, check_neighbors, input_values_status
 from .workspace import Workspace
 
 __all__ = ["EnergiesForces", "EnergiesForcesHessians", "ModelCore", "ModelCoreQ", "Workspace",
@@ -67,6 +71,37 @@ class EnergiesForcesHessians(tp.NamedTuple):
 class _CoreBase:
     """What :class:`ModelCore` and :class:`ModelCoreQ` share."""
 
+    def _checked_neighbors(self, species: Tensor, coords: Tensor, cell: tp.Optional[Tensor],
+                           pbc: tp.Optional[Tensor], charge: int,
+                           molecule_idxs: tp.Optional[Tensor]) -> tp.Tuple[Tensor, Neighbors]:
+        """The element indices of checked inputs and the model's neighbour list: what
+        ``forward`` does before the composition (TorchANI's checks, conversion and search).
+
+        On the device path (GPUs; not traced, finite cutoff) the checks of values
+        (coordinates, species, cell) stay on the device as one status, which the
+        neighbour list reads back with its pair count: one host read per call. If
+        that status says something is wrong, the checks below run and word the error.
+        """
+        # (Nested: TorchScript resolves a hasattr that is a whole condition when it
+        # compiles; a model whose parts are TorchANI's takes the checks below.)
+        if hasattr(self.species_converter, "converted"):
+            if hasattr(self.neighborlist, "checked"):
+                if isinstance(coords, Tensor) and not host_path(coords) and not torch.compiler.is_compiling() \
+                        and self.cutoff != float("inf"):  # (not a tensor: the checks below name it)
+                    self._check_inputs(species, coords, charge, False)  # (reads no data)
+                    elem_idxs, bad = self.species_converter.converted(species, not self.periodic_table_index)
+                    bad = bad | input_values_status(species, coords)
+                    bad_cell = cell_status(species, coords, cell, pbc, float(self.cutoff))
+                    if bad_cell is not None:
+                        bad = bad | bad_cell
+                    found, ok = self.neighborlist.checked(self.cutoff, elem_idxs, coords, cell, pbc, bad)
+                    if ok:
+                        return elem_idxs, _within_molecules(found, coords, molecule_idxs)
+        self._check_inputs(species, coords, charge)
+        elem_idxs = self.species_converter(species, nop=not self.periodic_table_index)
+        found = self.neighborlist(self.cutoff, elem_idxs, coords, cell, pbc)
+        return elem_idxs, _within_molecules(found, coords, molecule_idxs)
+
     def _neighbors_per_potential(self, neighbors: Neighbors) -> tp.List[Neighbors]:
         """The list each potential of ``self.potentials`` reads, in their order."""
         out: tp.List[Neighbors] = []
@@ -95,11 +130,29 @@ class _CoreBase:
         return energies
 
 
+def _within_molecules(neighbors: Neighbors, coords: Tensor, molecule_idxs: tp.Optional[Tensor]) -> Neighbors:
+    """The pairs whose atoms share a molecule index (TorchANI's experimental
+    ``_molecule_idxs`` (A,) of one structure); all of them if None."""
+    if molecule_idxs is None:
+        return neighbors
+    if coords.shape[0] != 1:
+        raise ValueError("_molecule_idxs needs one structure (coords of shape (1, atoms, 3)), got {}".format(
+            list(coords.shape)))
+    if molecule_idxs.shape != (coords.shape[1],):
+        raise ValueError("_molecule_idxs must have shape ({},), one index per atom, got {}".format(
+            coords.shape[1], list(molecule_idxs.shape)))
+    keep = (molecule_idxs[neighbors.indices[0]] == molecule_idxs[neighbors.indices[1]]).nonzero().view(-1)
+    return Neighbors(neighbors.indices.index_select(1, keep), neighbors.distances.index_select(0, keep),
+                     neighbors.diff_vectors.index_select(0, keep))
+
+
 class ModelCore(_CoreBase):
     """Mixin of patched ``ANI`` models: the one composition of their energy.
 
     ``compute_from_neighbors`` is TorchANI's (the same in 2.7-2.9): the inputs
     and the neighbour list checked, then :meth:`_energies_from_neighbors`.
+    ``forward`` is TorchANI's too, its inputs checked and its neighbours found
+    by :meth:`_checked_neighbors` (one host read on a GPU), then composed.
     """
 
     @torch.jit.export
@@ -116,6 +169,22 @@ class ModelCore(_CoreBase):
         check_neighbors(elem_idxs, neighbors)
         return EnergiesScalars(self._energies_from_neighbors(elem_idxs, coords, neighbors, charge, atomic,
                                                              ensemble_values))
+
+    def forward(
+        self,
+        species_coordinates: tp.Tuple[Tensor, Tensor],
+        cell: tp.Optional[Tensor] = None,
+        pbc: tp.Optional[Tensor] = None,
+        charge: int = 0,
+        atomic: bool = False,
+        ensemble_values: bool = False,
+        _molecule_idxs: tp.Optional[Tensor] = None,
+    ) -> SpeciesEnergies:
+        """TorchANI's ``ANI.forward``: the element indices and the energies (Hartree)."""
+        species, coords = species_coordinates
+        elem_idxs, neighbors = self._checked_neighbors(species, coords, cell, pbc, charge, _molecule_idxs)
+        return SpeciesEnergies(elem_idxs, self._energies_from_neighbors(elem_idxs, coords, neighbors, charge,
+                                                                        atomic, ensemble_values))
 
     @torch.jit.export
     def local_atomic_energies(self, elem_idxs: Tensor, coords: Tensor, neighbors: Neighbors,
@@ -189,6 +258,23 @@ class ModelCoreQ(_CoreBase):
         energies, qs = self._energies_charges_from_neighbors(elem_idxs, coords, neighbors, charge, atomic,
                                                              ensemble_values)
         return EnergiesScalars(energies, qs)
+
+    def forward(
+        self,
+        species_coordinates: tp.Tuple[Tensor, Tensor],
+        cell: tp.Optional[Tensor] = None,
+        pbc: tp.Optional[Tensor] = None,
+        charge: int = 0,
+        atomic: bool = False,
+        ensemble_values: bool = False,
+        _molecule_idxs: tp.Optional[Tensor] = None,
+    ) -> SpeciesEnergiesAtomicCharges:
+        """TorchANI's ``ANIq.forward``: the element indices, energies (Hartree) and atomic charges."""
+        species, coords = species_coordinates
+        elem_idxs, neighbors = self._checked_neighbors(species, coords, cell, pbc, charge, _molecule_idxs)
+        energies, qs = self._energies_charges_from_neighbors(elem_idxs, coords, neighbors, charge, atomic,
+                                                             ensemble_values)
+        return SpeciesEnergiesAtomicCharges(elem_idxs, energies, qs)
 
     @torch.jit.export
     def local_atomic_energies(self, elem_idxs: Tensor, coords: Tensor, neighbors: Neighbors,

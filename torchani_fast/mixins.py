@@ -70,6 +70,7 @@ class ValidatedModel:
     compute_from_neighbors, ...); TorchScript compiles this override in its place.
     """
 
-    def _check_inputs(self, species: Tensor, coords: Tensor, charge: int = 0) -> None:
+    def _check_inputs(self, species: Tensor, coords: Tensor, charge: int = 0, values: bool = True) -> None:
+        """``values=False``: only what reads no data (see :func:`~torchani_fast.validation.check_inputs`)."""
         reference = self.energy_shifter.self_energies
-        check_inputs(species, coords, charge, reference.dtype, reference.device)
+        check_inputs(species, coords, charge, reference.dtype, reference.device, values)

@@ -39,7 +39,7 @@ except ImportError:  # TorchANI 2.2.4 (torchani_fast.legacy): its converter is k
     _TorchaniSpeciesConverter = torch.nn.Module
 
 __all__ = ["InputError", "DTYPE_RULE", "check_inputs", "check_input_values", "check_neighbors", "check_cell_pbc",
-           "check_species_values", "SpeciesConverter"]
+           "check_species_values", "SpeciesConverter", "input_values_status", "cell_status"]
 
 DTYPE_RULE = """\
 The one dtype rule of a patched model (coords, cell and the model's floating dtype):
@@ -87,8 +87,12 @@ def _first(mask: Tensor) -> int:
 
 
 def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-    """Validate ``species`` (M, A) and ``coords`` (M, A, 3) for a model of ``dtype`` on ``device``."""
+                 device: torch.device, values: bool = True) -> None:
+    """Validate ``species`` (M, A) and ``coords`` (M, A, 3) for a model of ``dtype`` on ``device``.
+
+    ``values=False`` checks only what reads no data (types, shapes, dtypes,
+    devices, the charge); :func:`input_values_status` is then the rest, on the device.
+    """
     if not torch.jit.is_scripting():  # (scripted, the signature already demands tensors)
         for name, value in (("species", species), ("coords", coords)):
             if not isinstance(value, torch.Tensor):
@@ -122,7 +126,8 @@ def check_inputs(species: Tensor, coords: Tensor, charge: int, dtype: torch.dtyp
         # op reads them when the graph runs and raises the errors below (ops.py).
         ops.check_input_values(species, coords.detach())
         return
-    check_input_values(species, coords)
+    if values:
+        check_input_values(species, coords)
 
 
 def check_input_values(species: Tensor, coords: Tensor) -> None:
@@ -130,12 +135,8 @@ def check_input_values(species: Tensor, coords: Tensor) -> None:
     if host_path(coords):
         if ops.first_invalid_atom(species, coords.detach()) < 0:
             return  # one pass in C++ found nothing; the checks below word the error otherwise
-    else:
-        # Both checks in one read of the device (the wording below reads again, on error only).
-        status = (species < -1).any().long() + (
-            (~torch.isfinite(coords.detach()).all(-1)) & (species >= 0)).any().long()
-        if int(status) == 0:
-            return
+    elif not bool(input_values_status(species, coords)):
+        return  # (both checks in one read of the device; the wording below reads again, on error only)
     bad = species < -1
     if bool(bad.any()):
         i = _first(bad)
@@ -146,6 +147,12 @@ def check_input_values(species: Tensor, coords: Tensor) -> None:
         i = _first(bad)
         row: tp.List[float] = coords.detach().reshape(-1, 3)[i].tolist()
         raise ValueError("coords must be finite, got {} at {}".format(row, _where(i, species.shape[1])))
+
+
+def input_values_status(species: Tensor, coords: Tensor) -> Tensor:
+    """False (a 0-dim bool device tensor) where :func:`check_input_values` passes, True
+    where it raises; computed on the device without reading anything back."""
+    return ((species < -1) | ((~torch.isfinite(coords.detach()).all(-1)) & (species >= 0))).any()
 
 
 def check_neighbors(elem_idxs: Tensor, neighbors: tp.Tuple[Tensor, Tensor, Tensor]) -> None:
@@ -262,6 +269,20 @@ class SpeciesConverter(_TorchaniSpeciesConverter):
         check_species_values(atomic_nums, conv, nop, self.symbols_table)
         return atomic_nums if nop else conv[atomic_nums]
 
+    @torch.jit.export
+    def converted(self, atomic_nums: Tensor, nop: bool = False) -> tp.Tuple[Tensor, Tensor]:
+        """The element indices and, instead of the checks of :meth:`forward`, their
+        status: a 0-dim bool tensor, False where ``forward`` would pass and True where
+        it would raise (then the indices are meaningless: call ``forward`` for the
+        error). Nothing is read back to the host."""
+        conv = self.conv_tensor
+        if nop:  # element indices given directly
+            bad = (atomic_nums < -1) | (atomic_nums >= (conv >= 0).sum())
+            return atomic_nums, bad.any()
+        outside = (atomic_nums < -1) | (atomic_nums >= conv.shape[0] - 1)
+        elem_idxs = conv[atomic_nums.clamp(-1, conv.shape[0] - 1)]
+        return elem_idxs, (outside | ((elem_idxs < 0) & (atomic_nums >= 0))).any()
+
 
 def _supported(conv: Tensor, symbols: tp.List[str]) -> str:
     # In the model's element order (H, C, N, O, S, F, Cl for ANI-2x).
@@ -361,8 +382,8 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
         # Traced: the checking op runs this function on the values when the graph runs.
         ops.check_cell_values(species, coords.detach(), cell.detach(), pbc, cutoff)
         return
-    if not host_path(cell) and int(_cell_status(species, cell.detach(), pbc, cutoff, max_images,
-                                                max_neighbors)) == 0:
+    if not host_path(cell) and not bool(_cell_status(species, cell.detach(), pbc, cutoff, max_images,
+                                                     max_neighbors)):
         return  # (one read of the device: the checks below word an error, or find nothing)
     # One C++ op says whether the cell is finite and non-singular (most calls);
     # otherwise the element-wise checks below word the error.
@@ -422,10 +443,22 @@ def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tenso
                 atoms, _num(searched), _num(neighbors), cutoff, _num(max_neighbors), rows))
 
 
+def cell_status(species: Tensor, coords: Tensor, cell: tp.Optional[Tensor], pbc: tp.Optional[Tensor],
+                cutoff: float) -> tp.Optional[Tensor]:
+    """:func:`check_periodic_work`'s checks that read no data, raised here; the rest as a
+    status on the device (0-dim bool: False where it passes without looking at the
+    atoms' extents, True where it may raise), None without a cell. Nothing is read
+    back to the host."""
+    check_cell_pbc(coords, cell, pbc, values=False)
+    if cell is None or pbc is None:
+        return None
+    return _cell_status(species, cell.detach(), pbc, cutoff, 1e5, 3000.0)  # (the limits above)
+
+
 def _cell_status(species: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, max_images: float,
                  max_neighbors: float) -> Tensor:
-    """0 (a 0-dim device tensor) where :func:`check_periodic_work` would pass ``cell``
-    without looking at the atoms' extents; nonzero where it may raise: a non-finite
+    """False (a 0-dim bool device tensor) where :func:`check_periodic_work` would pass ``cell``
+    without looking at the atoms' extents; True where it may raise: a non-finite
     cell, a zero periodic lattice vector, a singular cell, too many images, or
     more neighbours per atom than ``max_neighbors`` by the bound that counts every
     slot as an atom. Computed on the device: reading it is the check's one sync."""
@@ -444,7 +477,7 @@ def _cell_status(species: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, max_
     bad = bad | (pbc & ~(lengths > 0.0)).any()
     bad = bad | (any_periodic & ~(volume > 1e-8 * lengths.prod()))
     bad = bad | (any_periodic & ~(images <= max_images)) | (any_periodic & ~(neighbors <= max_neighbors))
-    return bad.long()
+    return bad
 
 
 def _check_cell_values(coords: Tensor, cell: Tensor, pbc: Tensor) -> None:

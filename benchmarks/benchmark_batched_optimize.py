@@ -86,6 +86,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--max-atoms", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="the models' device (default cpu; cuda on a GPU)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="ANI-2x's architecture with seeded random weights (no weight files needed; "
+                             "the speeds stand, the minima and step counts are not ANI-2x's)")
     parser.add_argument("--dtype", default="float64", choices=["float32", "float64"],
                         help="the models' dtype, every path (default float64, the command line's)")
     args = parser.parse_args()
@@ -94,10 +98,16 @@ def main() -> None:
     confs, ch4 = structures(args.n)
     everything = confs + ch4
     dtype = getattr(torch, args.dtype)
-    stock = torchani.models.ANI2x().to(dtype)
-    model = torchani_fast.patch(torchani.models.ANI2x().to(dtype))
+    if args.random_weights:
+        from torchani_fast.testing import random_model
+
+        make = lambda: random_model("ANI2x")  # noqa: E731
+    else:
+        make = torchani.models.ANI2x
+    stock = make().to(dtype).to(args.device)
+    model = torchani_fast.patch(make().to(dtype)).to(args.device)
     print(f"{args.n} 2iuz conformers + {args.n} CH4-5 frames, fmax {args.fmax} eV/Å, ANI-2x {args.dtype}, "
-          f"{torch.get_num_threads()} threads")
+          f"{args.device}, {torch.get_num_threads()} threads")
 
     rows = []
     k = min(args.per_structure, args.n)

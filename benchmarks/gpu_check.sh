@@ -8,12 +8,14 @@
 #   3. runs tests/test_cuda.py,
 #   4. runs benchmarks/benchmark_gpu.py (TorchANI vs torchani_fast, 46 atoms to
 #      100k atoms, with and without CUDA graphs),
+#   4b. times batched BFGS against one structure at a time through ASE
+#      (benchmarks/benchmark_batched_optimize.py, random weights),
 #   5. profiles one call (benchmarks/profile_gpu.py),
 #   6. runs compute-sanitizer over the kernels' tests while time is left
 #      (DEADLINE seconds after the start, default 450): memcheck, then racecheck
 #      and synccheck (shared memory and warp votes of the AEV and neighbour
 #      kernels), then initcheck,
-# STAGES picks among "tests benchmark profile memcheck racecheck" (default: all);
+# STAGES picks among "tests benchmark batched profile memcheck racecheck" (default: all);
 # the benchmark times the new kernels and the ones they replace in one process
 # (TORCHANI_FAST_CUDA_NEIGHBORS=old, TORCHANI_FAST_CUDA_AEV=old,
 # TORCHANI_FAST_CUDA_NETWORKS=aten: read at every call).
@@ -85,7 +87,7 @@ else
   # carry it instead of building again (REUSE_BUILD=1).
   for so in torchani_fast/_C*.so; do strip --strip-debug -o "$OUT/$(basename "$so")" "$so"; done
 fi
-STAGES=${STAGES:-tests benchmark profile memcheck racecheck}
+STAGES=${STAGES:-tests benchmark batched profile memcheck racecheck}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if has tests; then
@@ -103,6 +105,13 @@ if has benchmark; then
   elapsed "4. benchmark"
   timeout 240 $PY benchmarks/benchmark_gpu.py --out "$OUT"
   elapsed "benchmark rc=$?"
+fi
+
+if has batched; then  # issue 59: batched BFGS against ASE's BFGS one structure at a time, on the GPU
+  elapsed "4b. batched optimisation"
+  timeout 100 $PY benchmarks/benchmark_batched_optimize.py --device cuda --n 200 --per-structure 10 \
+    --stock 0 --optimizers BFGS --random-weights --steps 200 2>&1 | grep -v Warning | tail -8
+  elapsed "batched rc=$?"
 fi
 
 if has profile; then

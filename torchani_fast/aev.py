@@ -147,9 +147,7 @@ class NeighborList(torch.nn.Module):
         if cell is not None:
             big = torch.eye(3, dtype=cell.dtype, device=cell.device) * (2.0 * search_cutoff + 1.0)
             search_cell = torch.where(bad, big, cell.detach())
-        use_cells = self.strategy == "cell_list" or (
-            self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
-        )
+        use_cells = self._use_cells(elem_idxs.shape[1])
         molecules, atoms = elem_idxs.shape[0], elem_idxs.shape[1]
         capacity = molecules * atoms * self.pairs_per_atom
         if pbc is None:  # (no periodic images: at most every pair of each molecule)
@@ -168,6 +166,10 @@ class NeighborList(torch.nn.Module):
                                            None if cell is None else images[:num_pairs], cell)
         return Neighbors(pairs, distances, diff), True
 
+    def _use_cells(self, atoms: int) -> bool:
+        """Whether the search bins atoms in cells (else it tests every pair)."""
+        return self.strategy == "cell_list" or (self.strategy == "auto" and atoms >= self.cell_list_min_atoms)
+
     def _search_cutoff(self, cutoff: float, elem_idxs: Tensor, coords: Tensor,
                        pbc: tp.Optional[Tensor]) -> float:
         """The cutoff the search runs at (subclasses may map one they take)."""
@@ -178,9 +180,7 @@ class NeighborList(torch.nn.Module):
                 max_pairs: int) -> tp.Tuple[Neighbors, tp.Optional[Tensor]]:
         # The sync-free search (max_pairs > 0) reads no data here either.
         check_periodic_work(elem_idxs, coords, cell, pbc, cutoff, values=max_pairs == 0)
-        use_cells = self.strategy == "cell_list" or (
-            self.strategy == "auto" and elem_idxs.shape[1] >= self.cell_list_min_atoms
-        )
+        use_cells = self._use_cells(elem_idxs.shape[1])
         count: tp.Optional[Tensor] = None
         if max_pairs > 0:
             pairs, images, count = ops.neighbor_pairs_padded(
@@ -294,6 +294,15 @@ class AEVComputer(torch.nn.Module):
         and external neighbour lists get their gradients.
         """
         return self._aev(elem_idxs, neighbors.indices, neighbors.diff_vectors)
+
+    @torch.jit.unused
+    def op_constants(self) -> tuple:
+        """The AEV ops' arguments after (species, pairs, diff_vectors), as :meth:`_aev`
+        passes them (eager callers of ``aev_with_edges``, ``aev_backward_edges``...)."""
+        radial, angular = self.radial, self.angular
+        return (radial.eta, radial.shifts, angular.eta, angular.zeta, angular.shifts, angular.sections,
+                float(radial.cutoff), float(angular.cutoff), self.num_species,
+                self.cutoff_kind, self.cutoff_order, self.cutoff_eps)
 
     def _aev(self, elem_idxs: Tensor, pairs: Tensor, diff_vectors: Tensor) -> Tensor:
         if diff_vectors.dtype != self.radial.eta.dtype:

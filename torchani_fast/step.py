@@ -225,20 +225,24 @@ class EnergyForcesStep:
         # The model's own composition (core.ModelCore) on the fixed-capacity list.
         found, self.num_pairs = core.neighbors(self.model, self.elem, x, self.cell, self.pbc, self.max_pairs,
                                                search=self.neighborlist)
-        if self._chain_rule(x):
-            return self._energies_forces_by_hand(x, found)
+        weights = self._chain_rule(x)
+        if weights is not None:
+            return self._energies_forces_by_hand(x, found, weights)
         with self.networks.pinned(self.groups):
             energies = self.model._energies_from_neighbors(self.elem, x, found)
         return energies.detach(), forces_of(energies, x)
 
-    def _chain_rule(self, x: Tensor) -> bool:
-        """Whether this call takes the device path's chain rule by hand
-        (:meth:`_energies_forces_by_hand`): the ANI potential alone, its networks
-        the ensemble_dense op, with the members' mean folded into it exactly."""
-        return (self._ani_only and x.dtype == self._model_kind[0]
-                and self.networks.dense_serves(x) and self.networks.dense_weights(negate=True)[3] == 1)
+    def _chain_rule(self, x: Tensor) -> tp.Optional[tuple]:
+        """The ensemble_dense weights (last layer negated) with which this call takes the
+        device path's chain rule by hand (:meth:`_energies_forces_by_hand`), or None:
+        the ANI potential alone, its networks the ensemble_dense op, with the members'
+        mean folded into it exactly."""
+        if not (self._ani_only and x.dtype == self._model_kind[0] and self.networks.dense_serves(x)):
+            return None
+        weights = self.networks.dense_weights(negate=True)
+        return weights[:3] if weights[3] == 1 else None
 
-    def _energies_forces_by_hand(self, x: Tensor, found: Neighbors) -> tp.Tuple[Tensor, Tensor]:
+    def _energies_forces_by_hand(self, x: Tensor, found: Neighbors, weights: tuple) -> tp.Tuple[Tensor, Tensor]:
         """Energies and forces of the ANI potential as the model composes them, with
         the chain rule applied here rather than by autograd (the device path).
 
@@ -252,12 +256,11 @@ class EnergyForcesStep:
         """
         nnp = nnp_of(self.model)
         diff = found.diff_vectors.detach()  # (one tensor: the AEV's edges are kept for it)
-        consts = _aev_constants(nnp.aev_computer)
+        consts = nnp.aev_computer.op_constants()
         with torch.no_grad():
             aevs, edges = ops.aev_with_edges(self.elem, found.indices, diff, *consts)
-            weights, weights_t, biases, _ = self.networks.dense_weights(negate=True)
-            neg_values, neg_grad = ops.ensemble_dense_jacobian(aevs.flatten(0, 1), self.elem.flatten(), weights,
-                                                               weights_t, biases, self.networks.activation)
+            neg_values, neg_grad = ops.ensemble_dense_jacobian(aevs.flatten(0, 1), self.elem.flatten(), *weights,
+                                                               self.networks.activation)
             energies = torch.sub(self._self_energies(), neg_values.view(self.elem.shape).sum(1))
             neg_grad_diff = ops.aev_backward_edges(neg_grad.view(aevs.shape), edges, self.elem, found.indices,
                                                    diff, *consts)
@@ -336,14 +339,6 @@ class EnergyForcesStep:
             if self.check_every and self.calls % self.check_every == 0:
                 ops.check_num_pairs(self.num_pairs, self.max_pairs)
         return energies, forces
-
-
-def _aev_constants(aev_computer: AEVComputer) -> tuple:
-    """The AEV ops' arguments after (species, pairs, diff_vectors), as AEVComputer passes them."""
-    radial, angular = aev_computer.radial, aev_computer.angular
-    return (radial.eta, radial.shifts, angular.eta, angular.zeta, angular.shifts, angular.sections,
-            float(radial.cutoff), float(angular.cutoff), aev_computer.num_species,
-            aev_computer.cutoff_kind, aev_computer.cutoff_order, aev_computer.cutoff_eps)
 
 
 def _rebuilt_step(cls, model, species, coords, cell, pbc, kwargs):

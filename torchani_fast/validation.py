@@ -344,7 +344,7 @@ def _num(x: float) -> str:
 
 def check_periodic_work(species: Tensor, coords: Tensor, cell: tp.Optional[Tensor],
                         pbc: tp.Optional[Tensor], cutoff: float, values: bool = True,
-                        max_images: float = 1e5, max_neighbors: float = 3000.0) -> None:
+                        max_images: float = MAX_PERIODIC_IMAGES, max_neighbors: float = MAX_NEIGHBORS_PER_ATOM) -> None:
     """Whether ``cell``/``pbc`` can describe a periodic system at ``cutoff``; raise if not.
 
     The single cell check of torchani_fast, used by the model's neighbour list,
@@ -452,11 +452,11 @@ def cell_status(species: Tensor, coords: Tensor, cell: tp.Optional[Tensor], pbc:
     check_cell_pbc(coords, cell, pbc, values=False)
     if cell is None or pbc is None:
         return None
-    return _cell_status(species, cell.detach(), pbc, cutoff, 1e5, 3000.0)  # (the limits above)
+    return _cell_status(species, cell.detach(), pbc, cutoff)  # (the default limits)
 
 
-def _cell_status(species: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, max_images: float,
-                 max_neighbors: float) -> Tensor:
+def _cell_status(species: Tensor, cell: Tensor, pbc: Tensor, cutoff: float,
+                 max_images: float = MAX_PERIODIC_IMAGES, max_neighbors: float = MAX_NEIGHBORS_PER_ATOM) -> Tensor:
     """False (a 0-dim bool device tensor) where :func:`check_periodic_work` would pass ``cell``
     without looking at the atoms' extents; True where it may raise: a non-finite
     cell, a zero periodic lattice vector, a singular cell, too many images, or
@@ -468,7 +468,8 @@ def _cell_status(species: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, max_
     det = (rows[0] * crosses[0]).sum()
     volume = det.abs()
     spacing = volume / crosses.pow(2).sum(1).sqrt()
-    images = torch.where(pbc, 2.0 * (torch.floor(spacing.reciprocal() * cutoff) + 1.0) + 1.0, torch.ones_like(spacing)).prod()
+    images = torch.where(pbc, 2.0 * (torch.floor(spacing.reciprocal() * cutoff) + 1.0) + 1.0,
+                         torch.ones_like(spacing)).prod()
     fractions = torch.where(pbc, torch.ones_like(spacing), spacing.reciprocal() * (2.0 * cutoff))
     sphere = 4.0 / 3.0 * 3.141592653589793 * cutoff ** 3
     neighbors = (volume * fractions.prod()).reciprocal() * (species.shape[1] * sphere)

@@ -140,5 +140,6 @@ def test_bad_arguments():
     x = torch.zeros((1, 2, 3), dtype=torch.float64)
     with pytest.raises(ValueError, match=r"shift must be > 0 \(eV/Å²\), got 0"):
         mh.lindh_hessian(z, x, shift=0.0)
-    with pytest.raises(ValueError, match=r"numbers \(B, W\) and positions \(B, W, 3\) must agree, got \(1, 2\) and \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"numbers \(B, W\) and positions \(B, W, 3\) must agree, "
+                                         r"got \(1, 2\) and \(2, 3\)"):
         mh.lindh_hessian(z, x[0])

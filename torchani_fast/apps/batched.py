@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import core
+from .model_hessian import lindh_hessian
 
 __all__ = ["Packed", "pack", "pad", "energies_forces", "BFGS", "FIRE", "LBFGS", "OPTIMIZERS", "Relaxed",
            "named_optimizer", "optimize", "iter_optimize"]
@@ -324,8 +325,6 @@ class BFGS(_Optimizer):
 
     def admit(self, state: tp.Dict[str, Tensor], numbers: Tensor, positions: Tensor) -> None:
         if self.hessian == "lindh" and numbers.shape[0]:
-            from .model_hessian import lindh_hessian
-
             h = lindh_hessian(numbers, positions.to(state["H"].dtype), self.shift)
             state["H"][state["H"].shape[0] - numbers.shape[0]:] = h
 
@@ -471,12 +470,8 @@ def iter_optimize(model: torch.nn.Module, structures: tp.Sequence, fmax: float =
     if not (isinstance(max_atoms, int) and max_atoms >= 1):
         raise ValueError(f"max_atoms must be an int >= 1, got {max_atoms!r}")
     if isinstance(optimizer, str):
-        if optimizer.upper() not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
-        make = OPTIMIZERS[optimizer.upper()]
-    elif isinstance(optimizer, _Optimizer):
-        make = lambda: optimizer  # noqa: E731
-    else:
+        optimizer = named_optimizer(optimizer)
+    elif not isinstance(optimizer, _Optimizer):
         raise TypeError(f"optimizer must be a name or a BFGS/LBFGS/FIRE instance, got {type(optimizer).__name__}")
     from .structures import batch_key
 
@@ -496,7 +491,7 @@ def iter_optimize(model: torch.nn.Module, structures: tp.Sequence, fmax: float =
         else:
             groups.setdefault(batch_key(atoms), []).append(i)
     for idxs in groups.values():
-        yield from _relax_group(model, [structures[i] for i in idxs], idxs, fmax, steps, make(),
+        yield from _relax_group(model, [structures[i] for i in idxs], idxs, fmax, steps, optimizer,
                                 max_atoms, fail_fmax)
 
 
